@@ -1,0 +1,41 @@
+# jaxkv: `make demo` and `make test` each create .venv when it is missing.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# Python 3.12+: PYTHON if given, else python3.12/3.13 on PATH, else pyenv's installs.
+PYTHON ?= $(shell for c in python3.13 python3.12 python3; do \
+	  p=$$(command -v $$c 2>/dev/null) && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo $$p; exit; }; \
+	done; \
+	for p in $$HOME/.pyenv/versions/3.1[2-9]*/bin/python3 /root/.pyenv/versions/3.1[2-9]*/bin/python3; do \
+	  [ -x $$p ] && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo $$p; exit; }; \
+	done)
+
+.PHONY: demo test test-slow lint venv clean
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@if [ -z "$(PYTHON)" ]; then \
+	  echo "jaxkv needs Python 3.12 or newer (jax >= 0.11). None found on PATH or under ~/.pyenv/versions."; \
+	  echo "Install one (e.g. 'pyenv install 3.12') or run: make PYTHON=/path/to/python3.12 $(MAKECMDGOALS)"; \
+	  exit 1; fi
+	@[ -x $(PY) ] || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/jaxkv demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m slow
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

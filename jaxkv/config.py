@@ -1,0 +1,273 @@
+"""Static, hashable configuration: cache geometry, hardware profiles, placement and annealing.
+
+Every config here is a frozen dataclass so it can be passed to `jax.jit` as a static argument.
+Validation happens in `__post_init__` and raises ValueError naming the value and what was
+expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TIER_HBM = 0  # memory kind "device"
+TIER_HOST = 1  # memory kind "pinned_host"
+TIER_NONE = -1  # logical block not written (or living in the tail buffer)
+
+HBM_KIND = "device"
+HOST_KIND = "pinned_host"
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _positive_int(name: str, value, minimum: int = 1) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Geometry and capacities of a TieredKVCache.
+
+    Capacities are per layer, in blocks. `hbm_capacity` and `host_capacity` accept an int (blocks)
+    or a float in (0, 1] (a fraction of the KV footprint `batch * max_blocks`). The HBM capacity
+    includes one tail block per sequence: the block being filled always lives in HBM, so it must
+    be at least `batch`. `host_capacity=None` sizes the host pool to hold everything that does
+    not fit in HBM.
+
+    Attributes:
+      num_layers, kv_heads, head_dim: model geometry.
+      batch: number of sequences decoded together.
+      max_len: longest sequence (prompt + generated tokens) the cache can hold.
+      block_size: tokens per block (any positive integer; 16 by default).
+      dtype: storage dtype name: "float32", "bfloat16" or "float16".
+    """
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    batch: int = 1
+    max_len: int = 2048
+    block_size: int = 16
+    hbm_capacity: int | float = 1.0
+    host_capacity: int | float | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("num_layers", "kv_heads", "head_dim", "batch", "max_len", "block_size"):
+            _positive_int(name, getattr(self, name))
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        hbm = self.hbm_blocks  # validates the capacity spec
+        if hbm < self.batch:
+            raise ValueError(
+                f"hbm_capacity={self.hbm_capacity!r} gives {hbm} HBM blocks per layer, but each of "
+                f"the batch={self.batch} sequences needs one HBM tail block: expected >= {self.batch}"
+            )
+        if self.hbm_pool_slots + self.host_blocks < self.total_blocks - self.batch:
+            raise ValueError(
+                f"host_capacity={self.host_capacity!r} gives {self.host_blocks} host blocks per "
+                f"layer; with {self.hbm_pool_slots} HBM pool slots the cache needs at least "
+                f"{self.total_blocks - self.batch - self.hbm_pool_slots} to hold "
+                f"batch={self.batch} x max_len={self.max_len} tokens"
+            )
+
+    def _blocks(self, name: str, spec) -> int:
+        if isinstance(spec, bool):
+            raise ValueError(f"{name} must be an int (blocks) or a float fraction, got {spec!r}")
+        if isinstance(spec, (float, np.floating)):
+            if not 0.0 < spec <= 1.0:
+                raise ValueError(f"{name} as a fraction must lie in (0, 1], got {spec!r}")
+            return max(1, math.ceil(spec * self.total_blocks))
+        if isinstance(spec, (int, np.integer)):
+            if spec < 0:
+                raise ValueError(f"{name} must be >= 0 blocks, got {spec!r}")
+            return min(int(spec), self.total_blocks)
+        raise ValueError(f"{name} must be an int (blocks) or a float fraction, got {spec!r}")
+
+    @property
+    def jnp_dtype(self):
+        return _DTYPES[self.dtype]
+
+    @property
+    def max_blocks(self) -> int:
+        """Logical blocks per sequence."""
+        return -(-self.max_len // self.block_size)
+
+    @property
+    def total_blocks(self) -> int:
+        """Blocks per layer when every sequence is at max_len (the KV footprint)."""
+        return self.batch * self.max_blocks
+
+    @property
+    def hbm_blocks(self) -> int:
+        """HBM blocks per layer, tail buffer included."""
+        return self._blocks("hbm_capacity", self.hbm_capacity)
+
+    @property
+    def hbm_pool_slots(self) -> int:
+        """HBM pool slots per layer for sealed blocks (hbm_blocks minus one tail per sequence)."""
+        return self.hbm_blocks - self.batch
+
+    @property
+    def host_blocks(self) -> int:
+        if self.host_capacity is None:
+            return max(1, self.total_blocks - self.batch - self.hbm_pool_slots)
+        return max(1, self._blocks("host_capacity", self.host_capacity))
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer: K and V for all KV heads."""
+        itemsize = jnp.dtype(self.jnp_dtype).itemsize
+        return 2 * self.block_size * self.kv_heads * self.head_dim * itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    """Bandwidths of the two tiers, in bytes per second, and HBM size in bytes."""
+
+    name: str
+    hbm_bandwidth: float
+    link_bandwidth: float
+    hbm_bytes: float
+    notes: str = ""
+
+    def __post_init__(self):
+        for f in ("hbm_bandwidth", "link_bandwidth", "hbm_bytes"):
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"HardwareProfile.{f} must be a positive number, got {v!r}")
+
+    @property
+    def alpha_star(self) -> float:
+        """Ideal fraction of read bytes served from HBM: both tiers finish together."""
+        return self.hbm_bandwidth / (self.hbm_bandwidth + self.link_bandwidth)
+
+    @staticmethod
+    def preset(name: str) -> HardwareProfile:
+        if name not in PROFILES:
+            raise ValueError(f"unknown hardware profile {name!r}; expected one of {sorted(PROFILES)}")
+        return PROFILES[name]
+
+    @staticmethod
+    def measure(nbytes: int = 256 << 20, repeats: int = 5) -> HardwareProfile:
+        """Measures the running device: device copy bandwidth and host->device bandwidth.
+
+        HBM bandwidth is taken as read+write bytes of a device-to-device copy per second; the link
+        as bytes of a pinned_host -> device copy per second. Best of `repeats`.
+        """
+        dev = jax.devices()[0]
+        sharding = jax.sharding.SingleDeviceSharding(dev)
+        n = nbytes // 4
+        x = jax.device_put(jnp.ones((n,), jnp.float32), sharding)
+        h = jax.device_put(x, sharding.with_memory_kind(HOST_KIND))
+        copy = jax.jit(lambda a: a + 1.0)
+        fetch = jax.jit(lambda a: a, out_shardings=sharding.with_memory_kind(HBM_KIND))
+
+        def best(fn, arg) -> float:
+            fn(arg).block_until_ready()
+            times = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                fn(arg).block_until_ready()
+                times.append(time.perf_counter() - t)
+            return min(times)
+
+        hbm = 2 * nbytes / best(copy, x)
+        link = nbytes / best(fetch, h)
+        mem = getattr(dev, "memory_stats", lambda: None)() or {}
+        total = float(mem.get("bytes_limit", 0) or 0) or 16e9
+        return HardwareProfile(
+            name=f"measured:{dev.platform}:{dev.device_kind}",
+            hbm_bandwidth=hbm,
+            link_bandwidth=link,
+            hbm_bytes=total,
+            notes="measured by HardwareProfile.measure()",
+        )
+
+
+PROFILES: dict[str, HardwareProfile] = {
+    "gh200": HardwareProfile(
+        "gh200", 4.0e12, 450e9, 96e9, "NVLink-C2C; measured H2D 346-420, D2H 170-297 GB/s"
+    ),
+    "gh200-paper": HardwareProfile("gh200-paper", 4.9e12, 450e9, 96e9, "the paper's numbers"),
+    "h200-pcie": HardwareProfile("h200-pcie", 4.8e12, 55e9, 141e9, "PCIe Gen5; the lent test GPU"),
+    "h100-pcie": HardwareProfile("h100-pcie", 3.35e12, 55e9, 80e9, "PCIe Gen5"),
+    "a100-pcie": HardwareProfile("a100-pcie", 2.0e12, 25e9, 80e9, "PCIe Gen4; the seed's card"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AnnealConfig:
+    """Simulated-annealing schedule (defaults from the seed article)."""
+
+    chains: int = 32
+    max_iters: int = 4000
+    t0_fraction: float = 0.2  # initial temperature as a fraction of the current energy
+    cooling: float = 0.85  # multiply the temperature by this ...
+    cooling_every: int = 100  # ... every this many iterations
+    patience: int = 30  # stop after this many iterations ...
+    min_improvement: float = 1e-3  # ... each improving the best energy by less than this fraction
+    move_prob: float = 0.2  # probability of a single move (when there is slack) vs a swap
+
+    def __post_init__(self):
+        _positive_int("chains", self.chains)
+        _positive_int("max_iters", self.max_iters)
+        _positive_int("cooling_every", self.cooling_every)
+        _positive_int("patience", self.patience)
+        if not 0.0 < self.cooling <= 1.0:
+            raise ValueError(f"cooling must lie in (0, 1], got {self.cooling!r}")
+        if not self.t0_fraction > 0.0:
+            raise ValueError(f"t0_fraction must be > 0, got {self.t0_fraction!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+    """How and when the decode loop re-plans placement.
+
+    Attributes:
+      policy: policy name (see `jaxkv.policies.POLICIES`).
+      window: steps between plans (W); held in the decode state, so changing it never recompiles.
+      adaptive_window: adapt W by +-window_step from the HBM hit rate within [min_window, max_window].
+      max_moves: migrations per layer per window (the migration budget).
+      attention: "exact" reads every block; "sparse" reads the top-k blocks by the Quest bound.
+      topk: blocks read in sparse mode: an int count or a float fraction of the written blocks.
+      sink_blocks, recent_blocks: always read in sparse mode.
+    """
+
+    policy: str = "static"
+    window: int = 50
+    adaptive_window: bool = False
+    min_window: int = 20
+    max_window: int = 100
+    window_step: int = 10
+    max_moves: int = 64
+    attention: Literal["exact", "sparse"] = "exact"
+    topk: int | float = 0.25
+    sink_blocks: int = 1
+    recent_blocks: int = 2
+    compact_every: int = 0  # windows between compactions of the HBM pool; 0 = never
+
+    def __post_init__(self):
+        _positive_int("window", self.window)
+        _positive_int("max_moves", self.max_moves, 0)
+        if self.attention not in ("exact", "sparse"):
+            raise ValueError(f"attention must be 'exact' or 'sparse', got {self.attention!r}")
+        if isinstance(self.topk, float):
+            if not 0.0 < self.topk <= 1.0:
+                raise ValueError(f"topk as a fraction must lie in (0, 1], got {self.topk!r}")
+        else:
+            _positive_int("topk", self.topk)
+        _positive_int("sink_blocks", self.sink_blocks, 0)
+        _positive_int("recent_blocks", self.recent_blocks, 0)
+        _positive_int("compact_every", self.compact_every, 0)
+        if not 1 <= self.min_window <= self.max_window:
+            raise ValueError(
+                f"need 1 <= min_window <= max_window, got {self.min_window}, {self.max_window}"
+            )
