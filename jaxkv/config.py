@@ -67,15 +67,16 @@ class CacheConfig:
         hbm = self.hbm_blocks  # validates the capacity spec
         if hbm < self.batch:
             raise ValueError(
-                f"hbm_capacity={self.hbm_capacity!r} gives {hbm} HBM blocks per layer, but each of "
-                f"the batch={self.batch} sequences needs one HBM tail block: expected >= {self.batch}"
+                f"hbm_capacity={self.hbm_capacity!r} gives {hbm} HBM blocks per layer, but each "
+                f"of the batch={self.batch} sequences needs one HBM tail block: expected "
+                f">= {self.batch}"
             )
-        if self.hbm_pool_slots + self.host_blocks < self.total_blocks - self.batch:
+        if hbm + self.host_blocks < self.total_blocks:
             raise ValueError(
                 f"host_capacity={self.host_capacity!r} gives {self.host_blocks} host blocks per "
-                f"layer; with {self.hbm_pool_slots} HBM pool slots the cache needs at least "
-                f"{self.total_blocks - self.batch - self.hbm_pool_slots} to hold "
-                f"batch={self.batch} x max_len={self.max_len} tokens"
+                f"layer; with {hbm} HBM blocks the cache needs at least "
+                f"{self.total_blocks - hbm} to hold batch={self.batch} x max_len={self.max_len} "
+                f"tokens ({self.total_blocks} blocks of {self.block_size})"
             )
 
     def _blocks(self, name: str, spec) -> int:
@@ -112,13 +113,15 @@ class CacheConfig:
 
     @property
     def hbm_pool_slots(self) -> int:
-        """HBM pool slots per layer for sealed blocks (hbm_blocks minus one tail per sequence)."""
+        """HBM slots per layer that sealed blocks may use: one slot per sequence is reserved for
+        the tail block being filled."""
         return self.hbm_blocks - self.batch
 
     @property
     def host_blocks(self) -> int:
+        """Host slots per layer (at least 1, so the host pool always exists)."""
         if self.host_capacity is None:
-            return max(1, self.total_blocks - self.batch - self.hbm_pool_slots)
+            return max(1, self.total_blocks - self.hbm_blocks)
         return max(1, self._blocks("host_capacity", self.host_capacity))
 
     @property
@@ -152,7 +155,9 @@ class HardwareProfile:
     @staticmethod
     def preset(name: str) -> HardwareProfile:
         if name not in PROFILES:
-            raise ValueError(f"unknown hardware profile {name!r}; expected one of {sorted(PROFILES)}")
+            raise ValueError(
+                f"unknown hardware profile {name!r}; expected one of {sorted(PROFILES)}"
+            )
         return PROFILES[name]
 
     @staticmethod
@@ -234,7 +239,8 @@ class PlacementConfig:
     Attributes:
       policy: policy name (see `jaxkv.policies.POLICIES`).
       window: steps between plans (W); held in the decode state, so changing it never recompiles.
-      adaptive_window: adapt W by +-window_step from the HBM hit rate within [min_window, max_window].
+      adaptive_window: adapt W by +-window_step from the HBM hit rate, within
+        [min_window, max_window].
       max_moves: migrations per layer per window (the migration budget).
       attention: "exact" reads every block; "sparse" reads the top-k blocks by the Quest bound.
       topk: blocks read in sparse mode: an int count or a float fraction of the written blocks.

@@ -1,0 +1,268 @@
+"""Tier-aware blocked decode attention over a TieredKVCache.
+
+Per layer and step: select blocks (all of them in exact mode; in sparse mode the top-k by the
+Quest bound plus sink and recent blocks), attend the selected HBM blocks in place, copy the
+selected host blocks into a fixed-size device staging buffer (per-block dynamic_slice +
+device_put, which XLA can overlap with the HBM part) and attend them, then merge the two partial
+results by log-sum-exp. Placement never changes what is attended, only where it is read from.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv._pytree import pytree_dataclass
+from jaxkv.cache import TieredKVCache, to_kind
+from jaxkv.config import HBM_KIND, TIER_HBM, TIER_HOST, PlacementConfig
+
+IMPLS = ("auto", "xla", "pallas")
+
+
+@pytree_dataclass
+class AttentionStats:
+    """What one layer's attention read, per logical block."""
+
+    read_hbm: jax.Array  # [batch, max_blocks] bool: read from HBM (tail included)
+    read_host: jax.Array  # [batch, max_blocks] bool: read from host memory
+    mass: jax.Array  # [batch, max_blocks] float32: attention probability summed over q heads
+
+
+def paged_attention_xla(q, k_pool, v_pool, block_table, block_mask, lengths, *, scale=None):
+    """Decode attention over a paged pool in plain XLA (the portable path).
+
+    Args:
+      q: [batch, q_heads, head_dim].
+      k_pool, v_pool: [slots, block_size, kv_heads, head_dim].
+      block_table: [batch, max_blocks] int32 slot of each logical block (ignored where masked).
+      block_mask: [batch, max_blocks] bool, the logical blocks to attend.
+      lengths: [batch] int32 tokens per sequence including the current one.
+      scale: logit scale, default 1/sqrt(head_dim).
+    Returns:
+      out [batch, q_heads, head_dim] f32, lse [batch, q_heads] f32 (-inf when nothing is
+      attended, with out = 0), block_lse [batch, q_heads, max_blocks] f32.
+    """
+    B, H, D = q.shape
+    S, bs, KV, _ = k_pool.shape
+    M = block_table.shape[1]
+    if H % KV:
+        raise ValueError(f"q_heads={H} must be a multiple of kv_heads={KV}")
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    idx = jnp.clip(block_table, 0, S - 1)
+    kb = k_pool[idx].astype(jnp.float32)  # [B, M, bs, KV, D]
+    vb = v_pool[idx].astype(jnp.float32)
+    qg = q.astype(jnp.float32).reshape(B, KV, H // KV, D)
+    logits = jnp.einsum("bkgd,bmtkd->bkgmt", qg, kb) * scale
+    pos = jnp.arange(M)[:, None] * bs + jnp.arange(bs)[None, :]  # [M, bs]
+    valid = block_mask[:, :, None] & (pos[None] < lengths[:, None, None])  # [B, M, bs]
+    logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
+    block_lse = jax.nn.logsumexp(logits, axis=-1)  # [B, KV, G, M]
+    lse = jax.nn.logsumexp(block_lse, axis=-1)  # [B, KV, G]
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    p = jnp.exp(logits - safe[..., None, None])  # exp(-inf) = 0 where invalid
+    out = jnp.einsum("bkgmt,bmtkd->bkgd", p, vb)
+    return out.reshape(B, H, D), lse.reshape(B, H), block_lse.reshape(B, H, M)
+
+
+def merge_partials(out_a, lse_a, out_b, lse_b):
+    """Log-sum-exp merge of two partial attention results over disjoint token sets.
+
+    Args:
+      out_a, out_b: [..., head_dim] f32; lse_a, lse_b: [...] f32 (-inf = empty part).
+    Returns:
+      (out, lse) of the union.
+    """
+    lse = jnp.logaddexp(lse_a, lse_b)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    wa = jnp.where(jnp.isfinite(lse_a), jnp.exp(lse_a - safe), 0.0)
+    wb = jnp.where(jnp.isfinite(lse_b), jnp.exp(lse_b - safe), 0.0)
+    return out_a * wa[..., None] + out_b * wb[..., None], lse
+
+
+def quest_scores(q, kmin, kmax):
+    """Quest upper bound on each block's attention logit, summed over query heads.
+
+    Args:
+      q: [batch, q_heads, head_dim]; kmin, kmax: [batch, max_blocks, kv_heads, head_dim].
+    Returns:
+      [batch, max_blocks] f32.
+    """
+    B, H, D = q.shape
+    KV = kmin.shape[2]
+    qg = q.astype(jnp.float32).reshape(B, KV, H // KV, D)
+    bound = jnp.maximum(
+        jnp.einsum("bkgd,bmkd->bkgmd", qg, kmin), jnp.einsum("bkgd,bmkd->bkgmd", qg, kmax)
+    ).sum(-1)
+    return bound.sum(axis=(1, 2))
+
+
+def staging_blocks(placement: PlacementConfig, max_blocks: int) -> int:
+    """Static size of the per-sequence host staging buffer (blocks) for a placement config."""
+    if placement.attention == "exact":
+        return max_blocks
+    k = (
+        placement.topk
+        if isinstance(placement.topk, int)
+        else math.ceil(placement.topk * max_blocks)
+    )
+    return min(max_blocks, max(k, placement.sink_blocks + placement.recent_blocks))
+
+
+def select_blocks(q, cache: TieredKVCache, layer: int, lengths, placement: PlacementConfig):
+    """Logical blocks to read this step.
+
+    Args:
+      q: [batch, q_heads, head_dim]; lengths: [batch] tokens including the current one.
+    Returns:
+      [batch, max_blocks] bool.
+    """
+    c = cache.config
+    M = c.max_blocks
+    j = jnp.arange(M)
+    n_written = -(-lengths // c.block_size)  # [B]
+    written = j[None] < n_written[:, None]
+    if placement.attention == "exact":
+        return written
+    score = quest_scores(q, cache.kmin[layer], cache.kmax[layer])
+    forced = (j[None] < placement.sink_blocks) | (
+        j[None] >= n_written[:, None] - placement.recent_blocks
+    )
+    score = jnp.where(forced, jnp.inf, score)
+    score = jnp.where(written, score, -jnp.inf)
+    if isinstance(placement.topk, int):
+        k = jnp.minimum(placement.topk, n_written)
+    else:
+        k = jnp.ceil(placement.topk * n_written).astype(jnp.int32)
+    k = jnp.maximum(k, jnp.sum(forced & written, axis=1))
+    rank = jnp.argsort(jnp.argsort(-score, axis=1, stable=True), axis=1)
+    return written & (rank < k[:, None])
+
+
+def fetch_host_blocks(cache: TieredKVCache, layer: int, read_host, num_staging: int):
+    """Copies the selected host blocks of `layer` into a device staging pool.
+
+    Only the selected blocks are copied (a loop with a dynamic trip count over the compacted
+    selection), each with dynamic_slice on the host array + device_put.
+
+    Args:
+      read_host: [batch, max_blocks] bool, at most `num_staging` per sequence.
+    Returns:
+      staging_k, staging_v: [batch * num_staging, block_size, kv_heads, head_dim] on the device;
+      staging_table: [batch, max_blocks] int32 staging slot of each selected block.
+    """
+    c = cache.config
+    B, M = c.batch, c.max_blocks
+    rank = jnp.cumsum(read_host, axis=1) - 1
+    staging_table = (jnp.arange(B)[:, None] * num_staging + rank).astype(jnp.int32)
+    flat = read_host.reshape(-1)
+    order = jnp.argsort(~flat, stable=True).astype(jnp.int32)
+    shape = (B * num_staging, c.block_size, c.kv_heads, c.head_dim)
+    sk = jnp.zeros(shape, c.jnp_dtype)
+    sv = jnp.zeros(shape, c.jnp_dtype)
+    blk = (1, 1, c.block_size, c.kv_heads, c.head_dim)
+
+    def body(i, carry):
+        sk, sv = carry
+        e = order[i]
+        b, j = e // M, e % M
+        src = (layer, cache.slot[layer, b, j], 0, 0, 0)
+        dst = (staging_table[b, j], 0, 0, 0)
+        bk = to_kind(jax.lax.dynamic_slice(cache.host_k, src, blk), HBM_KIND)[0]
+        bv = to_kind(jax.lax.dynamic_slice(cache.host_v, src, blk), HBM_KIND)[0]
+        return jax.lax.dynamic_update_slice(sk, bk, dst), jax.lax.dynamic_update_slice(sv, bv, dst)
+
+    sk, sv = jax.lax.fori_loop(0, jnp.sum(flat), body, (sk, sv))
+    return sk, sv, staging_table
+
+
+def _resolve_impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
+    if impl == "auto":
+        return "xla"
+    return impl
+
+
+def _attend(impl, q, k_pool, v_pool, table, mask, lengths, scale):
+    if impl == "pallas":
+        from pallas_kernels.blocked_attention import blocked_attention
+
+        out, lse = blocked_attention(q, k_pool, v_pool, table, mask, lengths, scale=scale)
+        return out, lse, None
+    return paged_attention_xla(q, k_pool, v_pool, table, mask, lengths, scale=scale)
+
+
+def tiered_attention(
+    q,
+    cache: TieredKVCache,
+    layer: int,
+    lengths,
+    placement: PlacementConfig,
+    *,
+    scale=None,
+    impl: str = "auto",
+):
+    """Decode attention of one layer over both tiers.
+
+    Args:
+      q: [batch, q_heads, head_dim] queries of the current token.
+      cache: the cache, already holding the current token's K and V (see `write_token`).
+      layer: python int.
+      lengths: [batch] int32 tokens per sequence including the current one (0 for a sequence
+        that is not decoding; it attends nothing and gets zeros).
+      placement: attention mode and sparse-selection parameters.
+      scale: logit scale, default 1/sqrt(head_dim).
+      impl: "auto" | "xla" | "pallas".
+    Returns:
+      out [batch, q_heads, head_dim] f32 and AttentionStats.
+    """
+    c = cache.config
+    B, H, D = q.shape
+    if (B, D) != (c.batch, c.head_dim) or H % c.kv_heads:
+        raise ValueError(
+            f"q has shape {tuple(q.shape)}, expected ({c.batch}, a multiple of "
+            f"kv_heads={c.kv_heads}, {c.head_dim})"
+        )
+    impl = _resolve_impl(impl)
+    selected = select_blocks(q, cache, layer, lengths, placement)
+    tier = cache.tier[layer]
+    read_hbm = selected & (tier == TIER_HBM)
+    read_host = selected & (tier == TIER_HOST)
+    slot = cache.slot[layer]
+    with jax.named_scope("hbm_part"):
+        out_h, lse_h, blse_h = _attend(
+            impl, q, cache.hbm_k[layer], cache.hbm_v[layer], slot, read_hbm, lengths, scale
+        )
+    with jax.named_scope("host_part"):
+        n_stage = staging_blocks(placement, c.max_blocks)
+        sk, sv, stable = fetch_host_blocks(cache, layer, read_host, n_stage)
+        out_d, lse_d, blse_d = _attend(impl, q, sk, sv, stable, read_host, lengths, scale)
+    out, lse = merge_partials(out_h, lse_h, out_d, lse_d)
+    if blse_h is None:
+        mass = jnp.zeros(selected.shape, jnp.float32)
+    else:
+        blse = jnp.where(read_host[:, None, :], blse_d, blse_h)  # [B, H, M]
+        safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        mass = jnp.where(selected[:, None], jnp.exp(blse - safe[..., None]), 0.0).sum(axis=1)
+    return out, AttentionStats(read_hbm=read_hbm, read_host=read_host, mass=mass)
+
+
+def dense_attention_reference(q, k, v, lengths, *, scale=None):
+    """Exact attention over dense K/V (the ground truth for tests).
+
+    Args:
+      q: [batch, q_heads, head_dim]; k, v: [batch, T, kv_heads, head_dim]; lengths: [batch].
+    Returns:
+      [batch, q_heads, head_dim] f32.
+    """
+    B, H, D = q.shape
+    KV = k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    qg = q.astype(jnp.float32).reshape(B, KV, H // KV, D)
+    logits = jnp.einsum("bkgd,btkd->bkgt", qg, k.astype(jnp.float32)) * scale
+    valid = jnp.arange(k.shape[1])[None] < lengths[:, None]
+    logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=-1)
+    return jnp.einsum("bkgt,btkd->bkgd", p, v.astype(jnp.float32)).reshape(B, H, D)
