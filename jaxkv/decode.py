@@ -224,7 +224,8 @@ class Decoder:
         """Returns the state with a new window W (no recompilation)."""
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
-        return replace(state, window=jnp.int32(window))
+        # same placement as the old value: an uncommitted scalar would change the jit cache key
+        return replace(state, window=jax.device_put(jnp.int32(window), state.window.sharding))
 
     # ---- implementation -----------------------------------------------------------------------
 

@@ -1,0 +1,61 @@
+"""Shared fixtures. Tests run on CPU; CPU devices expose `device` and `pinned_host` memory."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxkv import cache as kvc
+from jaxkv.config import CacheConfig
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """(model, params) of the tiny random-init Llama."""
+    from flax import nnx
+
+    from models import tiny_model
+
+    model = tiny_model(0)
+    return model, nnx.split(model)[1]
+
+
+def random_cache(
+    key,
+    *,
+    layers=2,
+    kv_heads=2,
+    head_dim=8,
+    batch=2,
+    max_len=64,
+    block_size=4,
+    hbm_capacity=0.25,
+    lengths=(21, 13),
+    dtype="float32",
+    shuffle_moves=16,
+):
+    """A cache holding random prompts, then migrated toward a random target placement (so HBM
+    and host slots are permuted relative to logical order). Returns (cache, dense k, dense v)."""
+    cfg = CacheConfig(
+        num_layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        batch=batch,
+        max_len=max_len,
+        block_size=block_size,
+        hbm_capacity=hbm_capacity,
+        dtype=dtype,
+    )
+    T = max(lengths)
+    k1, k2, k3 = jax.random.split(key, 3)
+    shape = (layers, batch, T, kv_heads, head_dim)
+    k = jax.random.normal(k1, shape).astype(cfg.jnp_dtype)
+    v = jax.random.normal(k2, shape).astype(cfg.jnp_dtype)
+    cache = kvc.prefill(kvc.TieredKVCache.create(cfg), k, v, jnp.asarray(lengths))
+    if shuffle_moves:
+        target = jax.random.bernoulli(k3, 0.5, (layers, batch * cfg.max_blocks))
+        cache, _ = kvc.migrate(cache, kvc.plan_moves(cache, target, shuffle_moves))
+        cache = kvc.compact(cache)
+        target = jax.random.bernoulli(jax.random.fold_in(k3, 1), 0.5, target.shape)
+        cache, _ = kvc.migrate(cache, kvc.plan_moves(cache, target, shuffle_moves))
+    dk, dv = kvc.to_dense(cache)
+    return cache, dk, dv

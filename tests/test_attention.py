@@ -1,0 +1,115 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_cache
+
+from jaxkv import cache as kvc
+from jaxkv.attention import (
+    dense_attention_reference,
+    merge_partials,
+    select_blocks,
+    tiered_attention,
+)
+from jaxkv.config import PlacementConfig
+
+TOL = {"float32": 2e-5, "bfloat16": 2e-2}
+
+
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("which", ["one", "block+1", "full"])
+def test_exact_attention_matches_dense(gqa, block_size, which):
+    max_len = 4 * block_size
+    length = {"one": 1, "block+1": block_size + 1, "full": max_len}[which]
+    cache, dk, dv = random_cache(
+        jax.random.key(gqa * 100 + block_size),
+        block_size=block_size,
+        max_len=max_len,
+        lengths=(length, max(1, length - 3)),
+        hbm_capacity=0.5,
+    )
+    lengths = cache.lengths
+    q = jax.random.normal(jax.random.key(1), (2, 2 * gqa, 8))
+    fn = jax.jit(lambda q, c, n: tiered_attention(q, c, 1, n, PlacementConfig()))
+    out, stats = fn(q, cache, lengths)
+    ref = dense_attention_reference(q, dk[1], dv[1], lengths)
+    np.testing.assert_allclose(out, ref, atol=TOL["float32"], rtol=1e-5)
+    n_blocks = -(-np.asarray(lengths) // block_size)
+    assert (np.asarray(stats.read_hbm | stats.read_host).sum(1) == n_blocks).all()
+    assert not np.any(np.asarray(stats.read_hbm & stats.read_host))
+    np.testing.assert_allclose(stats.mass.sum(1), 2 * gqa, rtol=1e-4)  # sums to q_heads
+
+
+def test_exact_attention_bf16():
+    cache, dk, dv = random_cache(jax.random.key(2), dtype="bfloat16", hbm_capacity=0.5)
+    q = jax.random.normal(jax.random.key(1), (2, 8, 8)).astype(jnp.bfloat16)
+    out, _ = tiered_attention(q, cache, 0, cache.lengths, PlacementConfig())
+    ref = dense_attention_reference(q, dk[0], dv[0], cache.lengths)
+    np.testing.assert_allclose(out, ref, atol=TOL["bfloat16"], rtol=2e-2)
+
+
+def test_all_hbm_and_all_host_agree():
+    cache, dk, dv = random_cache(jax.random.key(3), hbm_capacity=1.0, shuffle_moves=0)
+    c = cache.config
+    demoted, _ = kvc.migrate(
+        cache, kvc.plan_moves(cache, jnp.zeros((2, c.total_blocks), bool), c.total_blocks)
+    )
+    q = jax.random.normal(jax.random.key(4), (2, 4, 8))
+    a, sa = tiered_attention(q, cache, 0, cache.lengths, PlacementConfig())
+    b, sb = tiered_attention(q, demoted, 0, demoted.lengths, PlacementConfig())
+    np.testing.assert_allclose(a, b, atol=2e-6)
+    assert int(sa.read_host.sum()) == 0 and int(sb.read_host.sum()) > 0
+
+
+def test_sparse_selects_sink_recent_and_topk():
+    cache, dk, dv = random_cache(jax.random.key(5), lengths=(40, 21), max_len=64, block_size=4)
+    q = jax.random.normal(jax.random.key(6), (2, 4, 8))
+    p = PlacementConfig(attention="sparse", topk=5, sink_blocks=1, recent_blocks=2)
+    sel = np.asarray(select_blocks(q, cache, 0, cache.lengths, p))
+    assert sel.sum(1).tolist() == [5, 5]
+    assert sel[:, 0].all()  # sink
+    assert sel[0, 8:10].all() and sel[1, 4:6].all()  # the two most recent blocks
+    out, stats = tiered_attention(q, cache, 0, cache.lengths, p)
+    assert (np.asarray(stats.read_hbm | stats.read_host) == sel).all()
+    # sparse output equals dense attention restricted to the selected tokens
+    tok_sel = np.repeat(sel, 4, axis=1)[:, : dk.shape[2]]
+    keep = jnp.asarray(tok_sel)[:, :, None, None]
+    big = jnp.where(keep, 0.0, -1e30)
+    B, H, D = q.shape
+    qg = q.reshape(B, 2, 2, D)
+    logits = jnp.einsum("bkgd,btkd->bkgt", qg, dk[0]) / np.sqrt(D) + big[:, None, None, :, 0, 0]
+    valid = jnp.arange(dk.shape[2])[None] < cache.lengths[:, None]
+    logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
+    ref = jnp.einsum("bkgt,btkd->bkgd", jax.nn.softmax(logits, -1), dv[0]).reshape(B, H, D)
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+
+
+def test_sparse_fraction_counts_written_blocks():
+    cache, _, _ = random_cache(jax.random.key(7), lengths=(40, 21), max_len=64, block_size=4)
+    q = jax.random.normal(jax.random.key(6), (2, 4, 8))
+    p = PlacementConfig(attention="sparse", topk=0.5, sink_blocks=0, recent_blocks=0)
+    sel = np.asarray(select_blocks(q, cache, 0, cache.lengths, p))
+    assert sel.sum(1).tolist() == [5, 3]  # ceil(0.5 * 10), ceil(0.5 * 6)
+
+
+def test_merge_partials_with_empty_part():
+    out = jnp.ones((2, 3, 4))
+    lse = jnp.zeros((2, 3))
+    merged, merged_lse = merge_partials(out, lse, jnp.zeros_like(out), jnp.full((2, 3), -jnp.inf))
+    np.testing.assert_array_equal(merged, out)
+    np.testing.assert_array_equal(merged_lse, lse)
+
+
+def test_error_query_shape():
+    cache, _, _ = random_cache(jax.random.key(0), shuffle_moves=0)
+    with pytest.raises(ValueError, match=r"q has shape \(2, 3, 8\), expected \(2, a multiple"):
+        tiered_attention(jnp.zeros((2, 3, 8)), cache, 0, cache.lengths, PlacementConfig())
+
+
+def test_error_unknown_impl():
+    cache, _, _ = random_cache(jax.random.key(0), shuffle_moves=0)
+    with pytest.raises(ValueError, match=r"unknown attention impl 'cuda'; expected one of"):
+        tiered_attention(
+            jnp.zeros((2, 4, 8)), cache, 0, cache.lengths, PlacementConfig(), impl="cuda"
+        )

@@ -1,0 +1,219 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_cache
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxkv import cache as kvc
+from jaxkv.config import TIER_HBM, TIER_HOST, CacheConfig
+
+
+def kinds(cache):
+    return (
+        cache.hbm_k.sharding.memory_kind,
+        cache.hbm_v.sharding.memory_kind,
+        cache.host_k.sharding.memory_kind,
+        cache.host_v.sharding.memory_kind,
+    )
+
+
+EXPECTED = ("device", "device", "pinned_host", "pinned_host")
+
+
+def _cfg(**kw):
+    base = dict(
+        num_layers=2, kv_heads=2, head_dim=8, batch=2, max_len=64, block_size=4, hbm_capacity=0.25
+    )
+    return CacheConfig(**{**base, **kw})
+
+
+def _append(cache, key, active):
+    c = cache.config
+    k = jax.random.normal(key, (c.num_layers, c.batch, c.kv_heads, c.head_dim))
+    for layer in range(c.num_layers):
+        cache = kvc.write_token(cache, layer, k[layer], -k[layer], active)
+    return kvc.advance(cache, active), k
+
+
+def test_memory_kinds_outside_and_inside_jit():
+    cache, _, _ = random_cache(jax.random.key(0))
+    assert kinds(cache) == EXPECTED
+    active = jnp.array([True, True])
+    appended, _ = _append(cache, jax.random.key(1), active)
+    assert kinds(appended) == EXPECTED
+    jitted, _ = jax.jit(_append)(cache, jax.random.key(1), active)
+    assert kinds(jitted) == EXPECTED
+    target = jnp.ones((2, cache.config.total_blocks), bool)
+    moved, _ = jax.jit(lambda c, t: kvc.migrate(c, kvc.plan_moves(c, t, 4)))(cache, target)
+    assert kinds(moved) == EXPECTED
+    assert kinds(jax.jit(kvc.compact)(moved)) == EXPECTED
+    assert kinds(kvc.compact(moved)) == EXPECTED
+
+
+def test_prefill_fills_hbm_in_write_order_and_reconstructs():
+    cfg = _cfg(batch=1, hbm_capacity=4)  # 4 HBM blocks: 3 sealed + the tail
+    T = 22  # 5 sealed blocks of 4, tail holds 2 tokens
+    k = jax.random.normal(jax.random.key(0), (2, 1, T, 2, 8))
+    cache = kvc.prefill(kvc.TieredKVCache.create(cfg), k, -k, jnp.array([T]))
+    kvc.check_invariants(cache)
+    tier = np.asarray(cache.tier[0, 0])
+    assert tier[:6].tolist() == [TIER_HBM] * 3 + [TIER_HOST] * 2 + [TIER_HBM]
+    dk, dv = kvc.to_dense(cache)
+    np.testing.assert_array_equal(dk[:, :, :T], k)
+    np.testing.assert_array_equal(dv[:, :, :T], -k)
+    assert float(jnp.abs(dk[:, :, T:]).max()) == 0.0
+
+
+def test_append_seals_and_spills_then_matches_dense():
+    cfg = _cfg(batch=2, hbm_capacity=3)
+    k = jax.random.normal(jax.random.key(0), (2, 2, 7, 2, 8))
+    cache = kvc.prefill(kvc.TieredKVCache.create(cfg), k, -k, jnp.array([7, 3]))
+    ref_k = np.array(kvc.to_dense(cache)[0])
+    step = jax.jit(_append)
+    active = jnp.array([True, False])
+    for i in range(9):
+        lengths = np.asarray(cache.lengths)
+        cache, new = step(cache, jax.random.key(10 + i), active)
+        kvc.check_invariants(cache)
+        for layer in range(2):
+            ref_k[layer, 0, lengths[0]] = new[layer, 0]
+    assert cache.lengths.tolist() == [16, 3]
+    np.testing.assert_allclose(kvc.to_dense(cache)[0], ref_k)
+    # with HBM full, later sealed blocks went to host
+    assert (np.asarray(cache.tier[0, 0, 1:4]) == TIER_HOST).all()
+
+
+def test_migrate_preserves_contents_and_capacity():
+    cache, dk, dv = random_cache(jax.random.key(3), shuffle_moves=0)
+    c = cache.config
+    target = jax.random.bernoulli(jax.random.key(4), 0.7, (c.num_layers, c.total_blocks))
+    moves = kvc.plan_moves(cache, target, 8)
+    new, moved = jax.jit(kvc.migrate)(cache, moves)
+    kvc.check_invariants(new)
+    assert int(moved.sum()) > 0
+    for a, b in zip(kvc.to_dense(new), (dk, dv), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert int((~new.hbm_free).sum(axis=1).max()) <= c.hbm_blocks
+
+
+def test_migrate_swaps_when_hbm_full():
+    cache, dk, _ = random_cache(jax.random.key(5), shuffle_moves=0)
+    assert int(cache.hbm_free.sum()) == 0  # prefill filled HBM
+    host_blocks = np.flatnonzero(np.asarray(cache.tier[0]).reshape(-1) == TIER_HOST)[:2]
+    n = cache.config.num_layers
+    moves = kvc.Moves(
+        demote=jnp.zeros((n, 2), jnp.int32),
+        promote=jnp.broadcast_to(jnp.asarray(host_blocks, jnp.int32), (n, 2)),
+        num_demote=jnp.zeros((n,), jnp.int32),
+        num_promote=jnp.full((n,), 2, jnp.int32),
+    )
+    new, moved = kvc.migrate(cache, moves)
+    kvc.check_invariants(new)
+    assert moved.tolist() == [4, 4]  # two promotions, each with a swapped-out victim
+    assert (np.asarray(new.tier[0]).reshape(-1)[host_blocks] == TIER_HBM).all()
+    np.testing.assert_array_equal(kvc.to_dense(new)[0], dk)
+
+
+def test_compact_makes_dense_prefix():
+    cache, dk, dv = random_cache(jax.random.key(6), hbm_capacity=0.5)
+    c = cache.config
+    target = jnp.zeros((c.num_layers, c.total_blocks), bool)  # demote everything sealed
+    holes, _ = kvc.migrate(cache, kvc.plan_moves(cache, target, c.total_blocks))
+    assert float(kvc.fragmentation(holes).max()) > 0
+    packed = kvc.compact(holes)
+    kvc.check_invariants(packed)
+    assert float(kvc.fragmentation(packed).max()) == 0.0
+    used = np.asarray(~packed.hbm_free)
+    for row in used:
+        n = row.sum()
+        assert row[:n].all() and not row[n:].any()
+    for a, b in zip(kvc.to_dense(packed), (dk, dv), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_plan_moves_respects_budget_and_capacity():
+    cache, _, _ = random_cache(jax.random.key(7), shuffle_moves=0)
+    c = cache.config
+    target = jnp.ones((c.num_layers, c.total_blocks), bool)
+    moves = kvc.plan_moves(cache, target, 3)
+    assert moves.promote.shape == (c.num_layers, 3)
+    # HBM is full and nothing leaves the target: no promotion can be made
+    assert moves.num_promote.tolist() == [0, 0]
+
+
+def test_error_prefill_wrong_shape():
+    cache = kvc.TieredKVCache.create(_cfg())
+    k = jnp.zeros((2, 2, 5, 2, 7))
+    with pytest.raises(
+        ValueError, match=r"k has shape \(2, 2, 5, 2, 7\), expected \(2, 2, 5, 2, 8\)"
+    ):
+        kvc.prefill(cache, k, k, jnp.array([5, 5]))
+
+
+def test_error_prefill_wrong_dtype():
+    cache = kvc.TieredKVCache.create(_cfg())
+    k = jnp.zeros((2, 2, 5, 2, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"k has dtype bfloat16, expected float32"):
+        kvc.prefill(cache, k, k, jnp.array([5, 5]))
+
+
+def test_error_prefill_lengths_out_of_range():
+    cache = kvc.TieredKVCache.create(_cfg())
+    k = jnp.zeros((2, 2, 5, 2, 8))
+    with pytest.raises(ValueError, match=r"prompt lengths \[0\] out of range"):
+        kvc.prefill(cache, k, k, jnp.array([5, 0]))
+
+
+def test_error_prefill_longer_than_cache():
+    cache = kvc.TieredKVCache.create(_cfg(max_len=8, hbm_capacity=2))
+    k = jnp.zeros((2, 2, 9, 2, 8))
+    with pytest.raises(ValueError, match=r"prompt length T=9 exceeds max_len=8"):
+        kvc.prefill(cache, k, k, jnp.array([9, 9]))
+
+
+# ---- property test: random op sequences never lose, duplicate or alter a block -------------
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("append"), st.integers(0, 3)),
+        st.tuples(st.just("migrate"), st.integers(0, 2**31 - 1)),
+        st.tuples(st.just("compact"), st.just(0)),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+_CFG = _cfg(batch=2, max_len=24, block_size=3, hbm_capacity=5)
+_append_j = jax.jit(_append)
+_migrate_j = jax.jit(lambda c, t: kvc.migrate(c, kvc.plan_moves(c, t, 3)))
+_compact_j = jax.jit(kvc.compact)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=_OPS, lengths=st.tuples(st.integers(1, 8), st.integers(1, 8)))
+def test_random_operations_keep_invariants(ops, lengths):
+    c = _CFG
+    T = max(lengths)
+    k = jax.random.normal(jax.random.key(sum(lengths)), (2, 2, T, 2, 8))
+    cache = kvc.prefill(kvc.TieredKVCache.create(c), k, k * 2, jnp.asarray(lengths))
+    ref = np.array(kvc.to_dense(cache)[0])
+    for i, (op, arg) in enumerate(ops):
+        if op == "append":
+            active = jnp.array([bool(arg & 1), bool(arg & 2)])
+            before = np.asarray(cache.lengths)
+            if (before + np.asarray(active) > c.max_len).any():
+                continue
+            cache, new = _append_j(cache, jax.random.key(i), active)
+            for b in range(2):
+                if active[b]:
+                    for layer in range(2):
+                        ref[layer, b, before[b]] = np.asarray(new[layer, b])
+        elif op == "migrate":
+            target = jax.random.bernoulli(jax.random.key(arg), 0.5, (2, c.total_blocks))
+            cache, _ = _migrate_j(cache, target)
+        else:
+            cache = _compact_j(cache)
+        kvc.check_invariants(cache)
+        np.testing.assert_array_equal(kvc.to_dense(cache)[0], ref)

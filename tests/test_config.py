@@ -1,0 +1,75 @@
+import pytest
+
+from jaxkv.config import AnnealConfig, CacheConfig, HardwareProfile, PlacementConfig
+
+GEOM = dict(num_layers=2, kv_heads=2, head_dim=8)
+
+
+def test_capacities_from_fraction_and_blocks():
+    c = CacheConfig(**GEOM, batch=2, max_len=64, block_size=16, hbm_capacity=0.25)
+    assert c.max_blocks == 4 and c.total_blocks == 8
+    assert c.hbm_blocks == 2 and c.hbm_pool_slots == 0 and c.host_blocks == 6
+    c = CacheConfig(**GEOM, batch=1, max_len=100, block_size=7, hbm_capacity=5)
+    assert c.max_blocks == 15 and c.hbm_blocks == 5 and c.host_blocks == 10
+    assert c.block_bytes == 2 * 7 * 2 * 8 * 4
+
+
+def test_configs_are_hashable_static_args():
+    assert hash(CacheConfig(**GEOM)) == hash(CacheConfig(**GEOM))
+    assert hash(PlacementConfig()) == hash(PlacementConfig())
+    assert hash(AnnealConfig()) == hash(AnnealConfig())
+
+
+def test_error_hbm_cannot_hold_tails():
+    with pytest.raises(ValueError, match=r"hbm_capacity=1 gives 1 HBM blocks .* expected >= 2"):
+        CacheConfig(**GEOM, batch=2, hbm_capacity=1)
+
+
+def test_error_too_little_host_capacity():
+    with pytest.raises(ValueError, match=r"host_capacity=2 gives 2 host blocks .* at least"):
+        CacheConfig(**GEOM, max_len=160, block_size=16, hbm_capacity=4, host_capacity=2)
+
+
+def test_error_fraction_out_of_range():
+    with pytest.raises(ValueError, match=r"hbm_capacity as a fraction must lie in \(0, 1\]"):
+        CacheConfig(**GEOM, hbm_capacity=1.5)
+
+
+def test_error_bad_dtype():
+    with pytest.raises(ValueError, match=r"dtype must be one of .* got 'int8'"):
+        CacheConfig(**GEOM, dtype="int8")
+
+
+def test_error_bad_block_size():
+    with pytest.raises(ValueError, match=r"block_size must be an integer >= 1, got 0"):
+        CacheConfig(**GEOM, block_size=0)
+
+
+def test_error_capacity_type():
+    with pytest.raises(ValueError, match=r"hbm_capacity must be an int \(blocks\) or a float"):
+        CacheConfig(**GEOM, hbm_capacity="half")
+
+
+def test_error_unknown_profile():
+    with pytest.raises(ValueError, match=r"unknown hardware profile 'tpu'; expected one of"):
+        HardwareProfile.preset("tpu")
+
+
+def test_profiles_and_alpha_star():
+    p = HardwareProfile.preset("gh200-paper")
+    assert p.alpha_star == pytest.approx(4900 / 5350)
+
+
+def test_error_placement_attention_mode():
+    with pytest.raises(ValueError, match=r"attention must be 'exact' or 'sparse', got 'dense'"):
+        PlacementConfig(attention="dense")
+
+
+def test_error_placement_topk_fraction():
+    with pytest.raises(ValueError, match=r"topk as a fraction must lie in \(0, 1\], got 0.0"):
+        PlacementConfig(topk=0.0)
+
+
+def test_measure_returns_positive_bandwidths():
+    p = HardwareProfile.measure(nbytes=1 << 20, repeats=2)
+    assert p.hbm_bandwidth > 0 and p.link_bandwidth > 0

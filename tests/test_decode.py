@@ -1,0 +1,202 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxkv import cache as kvc
+from jaxkv.config import CacheConfig, PlacementConfig
+from jaxkv.decode import Decoder, Greedy, Sampling, summarize
+
+PROMPT_LENS = (45, 30)
+NEW = 24
+
+
+def _cfg(model, *, hbm, block_size=8, max_len=96, batch=2):
+    mc = model.config
+    return CacheConfig(
+        num_layers=mc.num_layers,
+        kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        batch=batch,
+        max_len=max_len,
+        block_size=block_size,
+        hbm_capacity=hbm,
+    )
+
+
+def _prompts(vocab):
+    p = jax.random.randint(jax.random.key(7), (2, max(PROMPT_LENS)), 0, vocab)
+    return p.astype(jnp.int32)
+
+
+def _greedy_reference(model, prompt, n):
+    """Cache-free: a full causal forward over the whole sequence for every new token (padded to
+    one length, which a causal model ignores, so it compiles once)."""
+    seq = list(np.asarray(prompt))
+    total = len(seq) + n
+    forward = nnx.jit(lambda m, t: m(t))
+    out = []
+    for _ in range(n):
+        padded = jnp.asarray([seq + [0] * (total - len(seq))], jnp.int32)
+        out.append(int(jnp.argmax(forward(model, padded)[0, len(seq) - 1])))
+        seq.append(out[-1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def all_hbm_tokens(tiny):
+    model, params = tiny
+    dec = Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(), max_new_tokens=NEW)
+    state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
+    assert int(state.step) == NEW - 1
+    return np.asarray(state.tokens)
+
+
+def test_all_hbm_matches_cache_free_forward(tiny, all_hbm_tokens):
+    model, _ = tiny
+    prompts = _prompts(256)
+    for b, n in enumerate(PROMPT_LENS):
+        ref = _greedy_reference(model, prompts[b, :n], 12)
+        assert all_hbm_tokens[b, :12].tolist() == ref
+
+
+@pytest.mark.parametrize(
+    "policy,hbm,block_size,window",
+    [("static", 0.25, 8, 4), ("lru", 0.25, 8, 3), ("static", 6, 5, 2), ("lru", 0.5, 5, 1)],
+)
+def test_any_placement_gives_all_hbm_tokens(tiny, all_hbm_tokens, policy, hbm, block_size, window):
+    model, params = tiny
+    cfg = _cfg(model, hbm=hbm, block_size=block_size)
+    dec = Decoder(model, cfg, PlacementConfig(policy=policy, window=window), max_new_tokens=NEW)
+    state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
+    kvc.check_invariants(state.cache)
+    np.testing.assert_array_equal(np.asarray(state.tokens), all_hbm_tokens)
+    s = summarize(state)
+    assert 0.0 < s["hbm_hit_rate"] < 1.0 and s["modeled_seconds"] > 0
+
+
+def test_lru_migrates_under_sparse_attention(tiny):
+    model, params = tiny
+    p = PlacementConfig(policy="lru", window=2, attention="sparse", topk=3, max_moves=4)
+    dec = Decoder(model, _cfg(model, hbm=0.25), p, max_new_tokens=NEW)
+    state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
+    kvc.check_invariants(state.cache)
+    assert summarize(state)["migrated_blocks"] > 0
+
+
+def test_decode_step_compiles_once_across_windows(tiny):
+    model, params = tiny
+    p = PlacementConfig(policy="lru", window=2, attention="sparse", topk=3)
+    dec = Decoder(model, _cfg(model, hbm=0.25), p, max_new_tokens=NEW)
+    state = dec.prefill(params, _prompts(256), PROMPT_LENS)
+    for _ in range(5):
+        state = dec.step(params, state)
+    state = dec.with_window(state, 3)
+    for _ in range(6):
+        state = dec.step(params, state)
+    assert int(state.metrics.windows) == 2 + 2  # steps 2, 4 at W=2; then 8, 11 at W=3
+    assert dec._step._cache_size() == 1
+    state = dec.generate(params, state, until=15)
+    state = dec.generate(params, state, until=20)
+    assert dec._generate._cache_size() == 1
+
+
+def test_adaptive_window_stays_in_bounds(tiny):
+    model, params = tiny
+    p = PlacementConfig(
+        policy="lru",
+        window=3,
+        adaptive_window=True,
+        min_window=2,
+        max_window=5,
+        window_step=1,
+        attention="sparse",
+        topk=3,
+    )
+    dec = Decoder(model, _cfg(model, hbm=0.25), p, max_new_tokens=NEW)
+    state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
+    w = np.asarray(state.metrics.window_trace[: int(state.step)])
+    assert w.min() >= 2 and w.max() <= 5 and len(set(w.tolist())) > 1
+
+
+def test_eos_stops_sequences(tiny, all_hbm_tokens):
+    model, params = tiny
+    eos = int(all_hbm_tokens[0, 3])
+    dec = Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(), max_new_tokens=NEW, eos_id=eos)
+    state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
+    toks = np.asarray(state.tokens)
+    first = toks[0].tolist().index(eos)
+    assert (toks[0, first + 1 :] == 0).all() and bool(state.done[0])
+
+
+def test_stops_when_cache_full(tiny):
+    model, params = tiny
+    dec = Decoder(model, _cfg(model, hbm=1.0, max_len=50), PlacementConfig(), max_new_tokens=NEW)
+    state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
+    assert int(state.cache.lengths.max()) == 50 and int(state.step) == 50 - 45
+
+
+def test_sampling_is_seeded_and_truncates():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 256))
+    keys = jax.random.split(jax.random.key(0), 64)
+    s = Sampling(temperature=1.0, top_k=2)
+    draws = np.stack([np.asarray(s(logits, k)) for k in keys])
+    assert set(np.unique(draws)) <= {0, 1}
+    p = Sampling(temperature=1.0, top_p=0.6)
+    draws = np.stack([np.asarray(p(logits, k)) for k in keys])
+    assert set(np.unique(draws)) <= {0, 1}
+    np.testing.assert_array_equal(s(logits, keys[0]), s(logits, keys[0]))
+    assert Greedy()(logits, None).tolist() == [0] * 256
+
+
+def test_error_geometry_mismatch(tiny):
+    model, _ = tiny
+    cfg = CacheConfig(num_layers=3, kv_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match=r"\(num_layers, kv_heads, head_dim\)=\(3, 2, 16\) does"):
+        Decoder(model, cfg)
+
+
+def test_error_unknown_policy(tiny):
+    model, _ = tiny
+    with pytest.raises(ValueError, match=r"unknown policy 'fifo'; expected one of"):
+        Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(policy="fifo"))
+
+
+def test_error_prompt_longer_than_cache(tiny):
+    model, params = tiny
+    dec = Decoder(model, _cfg(model, hbm=1.0, max_len=40), PlacementConfig())
+    with pytest.raises(ValueError, match=r"prompt length 45 exceeds the cache's max_len=40"):
+        dec.prefill(params, _prompts(256))
+
+
+def test_error_prompt_shape(tiny):
+    model, params = tiny
+    dec = Decoder(model, _cfg(model, hbm=1.0), PlacementConfig())
+    with pytest.raises(ValueError, match=r"prompts has shape \(45,\), expected \(batch=2, T\)"):
+        dec.prefill(params, jnp.zeros((45,), jnp.int32))
+
+
+def test_error_prompt_dtype(tiny):
+    model, params = tiny
+    dec = Decoder(model, _cfg(model, hbm=1.0), PlacementConfig())
+    with pytest.raises(ValueError, match=r"prompts has dtype float32, expected an integer"):
+        dec.prefill(params, jnp.zeros((2, 4), jnp.float32))
+
+
+def test_error_prompt_lengths(tiny):
+    model, params = tiny
+    dec = Decoder(model, _cfg(model, hbm=1.0), PlacementConfig())
+    with pytest.raises(ValueError, match=r"lengths=\[0, 3\] must be 2 values in \[1, 4\]"):
+        dec.prefill(params, jnp.zeros((2, 4), jnp.int32), [0, 3])
+
+
+def test_error_max_new_tokens(tiny):
+    model, _ = tiny
+    with pytest.raises(ValueError, match=r"max_new_tokens must be an int >= 1, got 0"):
+        Decoder(model, _cfg(model, hbm=1.0), max_new_tokens=0)
+
+
+def test_error_sampling_temperature():
+    with pytest.raises(ValueError, match=r"temperature must be > 0, got 0"):
+        Sampling(temperature=0)

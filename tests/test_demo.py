@@ -1,0 +1,72 @@
+import json
+
+from jaxkv import cli
+
+
+def test_demo_json_is_lossless(capsys):
+    rc = cli.main(
+        [
+            "demo",
+            "--json",
+            "--prompt-len",
+            "200",
+            "--new-tokens",
+            "20",
+            "--policies",
+            "static,lru",
+            "--window",
+            "4",
+        ]
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert report["lossless"] is True
+    assert set(report["policies"]) == {"all-hbm", "static", "lru"}
+    for r in report["policies"].values():
+        assert set(r) == {
+            "hbm_hit_rate",
+            "migrated_blocks",
+            "modeled_tokens_per_s",
+            "wall_tokens_per_s",
+        }
+        assert r["wall_tokens_per_s"] > 0
+    assert report["policies"]["all-hbm"]["hbm_hit_rate"] == 1.0
+    assert report["policies"]["static"]["hbm_hit_rate"] < 0.5
+
+
+def test_demo_table_is_readable(capsys):
+    from jaxkv.demo import format_table
+
+    report = {
+        "lossless": True,
+        "attention": "exact",
+        "model": "m",
+        "prompt_tokens": 10,
+        "new_tokens": 5,
+        "hbm_fraction": 0.25,
+        "profile": "gh200",
+        "device": "cpu",
+        "jax": "x",
+        "policies": {
+            "all-hbm": {
+                "hbm_hit_rate": 1.0,
+                "migrated_blocks": 0,
+                "modeled_tokens_per_s": 10.0,
+                "wall_tokens_per_s": 4.0,
+            },
+            "lru": {
+                "hbm_hit_rate": 0.5,
+                "migrated_blocks": 3,
+                "modeled_tokens_per_s": 5.0,
+                "wall_tokens_per_s": 2.0,
+            },
+        },
+    }
+    text = format_table(report)
+    assert "policy" in text and "lru" in text and "(0.50x)" in text and "lossless" in text
+
+
+def test_demo_unknown_policy_is_a_clear_error(capsys):
+    rc = cli.main(["demo", "--policies", "static,nope", "--prompt-len", "64"])
+    assert rc == 2
+    assert "unknown policies ['nope']" in capsys.readouterr().err
