@@ -17,8 +17,15 @@ import jax.numpy as jnp
 from jaxkv._pytree import pytree_dataclass
 from jaxkv.cache import TieredKVCache, to_kind
 from jaxkv.config import HBM_KIND, TIER_HBM, TIER_HOST, PlacementConfig
+from pallas_kernels.blocked_attention import (
+    blocked_attention,
+    blocked_attention_reference,
+    merge_partials,
+)
+from pallas_kernels.common import hopper_available
 
 IMPLS = ("auto", "xla", "pallas")
+PALLAS_MEASURED_FASTER = False  # no GPU measurement yet (bench/RESULTS.md, Kernels section)
 
 
 @pytree_dataclass
@@ -28,57 +35,6 @@ class AttentionStats:
     read_hbm: jax.Array  # [batch, max_blocks] bool: read from HBM (tail included)
     read_host: jax.Array  # [batch, max_blocks] bool: read from host memory
     mass: jax.Array  # [batch, max_blocks] float32: attention probability summed over q heads
-
-
-def paged_attention_xla(q, k_pool, v_pool, block_table, block_mask, lengths, *, scale=None):
-    """Decode attention over a paged pool in plain XLA (the portable path).
-
-    Args:
-      q: [batch, q_heads, head_dim].
-      k_pool, v_pool: [slots, block_size, kv_heads, head_dim].
-      block_table: [batch, max_blocks] int32 slot of each logical block (ignored where masked).
-      block_mask: [batch, max_blocks] bool, the logical blocks to attend.
-      lengths: [batch] int32 tokens per sequence including the current one.
-      scale: logit scale, default 1/sqrt(head_dim).
-    Returns:
-      out [batch, q_heads, head_dim] f32, lse [batch, q_heads] f32 (-inf when nothing is
-      attended, with out = 0), block_lse [batch, q_heads, max_blocks] f32.
-    """
-    B, H, D = q.shape
-    S, bs, KV, _ = k_pool.shape
-    M = block_table.shape[1]
-    if H % KV:
-        raise ValueError(f"q_heads={H} must be a multiple of kv_heads={KV}")
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    idx = jnp.clip(block_table, 0, S - 1)
-    kb = k_pool[idx].astype(jnp.float32)  # [B, M, bs, KV, D]
-    vb = v_pool[idx].astype(jnp.float32)
-    qg = q.astype(jnp.float32).reshape(B, KV, H // KV, D)
-    logits = jnp.einsum("bkgd,bmtkd->bkgmt", qg, kb) * scale
-    pos = jnp.arange(M)[:, None] * bs + jnp.arange(bs)[None, :]  # [M, bs]
-    valid = block_mask[:, :, None] & (pos[None] < lengths[:, None, None])  # [B, M, bs]
-    logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
-    block_lse = jax.nn.logsumexp(logits, axis=-1)  # [B, KV, G, M]
-    lse = jax.nn.logsumexp(block_lse, axis=-1)  # [B, KV, G]
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    p = jnp.exp(logits - safe[..., None, None])  # exp(-inf) = 0 where invalid
-    out = jnp.einsum("bkgmt,bmtkd->bkgd", p, vb)
-    return out.reshape(B, H, D), lse.reshape(B, H), block_lse.reshape(B, H, M)
-
-
-def merge_partials(out_a, lse_a, out_b, lse_b):
-    """Log-sum-exp merge of two partial attention results over disjoint token sets.
-
-    Args:
-      out_a, out_b: [..., head_dim] f32; lse_a, lse_b: [...] f32 (-inf = empty part).
-    Returns:
-      (out, lse) of the union.
-    """
-    lse = jnp.logaddexp(lse_a, lse_b)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    wa = jnp.where(jnp.isfinite(lse_a), jnp.exp(lse_a - safe), 0.0)
-    wb = jnp.where(jnp.isfinite(lse_b), jnp.exp(lse_b - safe), 0.0)
-    return out_a * wa[..., None] + out_b * wb[..., None], lse
 
 
 def quest_scores(q, kmin, kmax):
@@ -177,21 +133,43 @@ def fetch_host_blocks(cache: TieredKVCache, layer: int, read_host, num_staging: 
     return sk, sv, staging_table
 
 
-def _resolve_impl(impl: str) -> str:
+def resolve_impl(impl: str, config) -> str:
+    """The attention implementation for `impl` on this device and cache geometry.
+
+    "auto" stays on the XLA path: the Pallas kernel has not yet been measured faster on a GPU
+    (bench/RESULTS.md); flip `PALLAS_MEASURED_FASTER` once bench_kernels.py shows it is.
+    "pallas" requires what the kernel supports (16-bit dtypes, block size and head_dim multiples
+    of 16) and raises ValueError otherwise.
+    """
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
+    supported = (
+        config.dtype in ("bfloat16", "float16")
+        and config.block_size % 16 == 0
+        and config.head_dim % 16 == 0
+        and config.head_dim <= 256
+    )
     if impl == "auto":
-        return "xla"
+        return "pallas" if PALLAS_MEASURED_FASTER and supported and hopper_available() else "xla"
+    if impl == "pallas" and not supported:
+        raise ValueError(
+            f"impl='pallas' needs a bfloat16/float16 cache with block_size and head_dim multiples "
+            f"of 16 (head_dim <= 256); got dtype={config.dtype!r}, block_size={config.block_size}, "
+            f"head_dim={config.head_dim}: use impl='xla'"
+        )
     return impl
 
 
-def _attend(impl, q, k_pool, v_pool, table, mask, lengths, scale):
+def _attend(impl, q, k_pool, v_pool, table, mask, lengths, scale, layer=None):
+    """(out, lse, block_lse or None) of one tier's part."""
     if impl == "pallas":
-        from pallas_kernels.blocked_attention import blocked_attention
-
-        out, lse = blocked_attention(q, k_pool, v_pool, table, mask, lengths, scale=scale)
+        out, lse = blocked_attention(
+            q, k_pool, v_pool, table, mask, lengths, scale=scale, layer=layer
+        )
         return out, lse, None
-    return paged_attention_xla(q, k_pool, v_pool, table, mask, lengths, scale=scale)
+    return blocked_attention_reference(
+        q, k_pool, v_pool, table, mask, lengths, scale=scale, layer=layer, return_block_lse=True
+    )
 
 
 def tiered_attention(
@@ -225,7 +203,7 @@ def tiered_attention(
             f"q has shape {tuple(q.shape)}, expected ({c.batch}, a multiple of "
             f"kv_heads={c.kv_heads}, {c.head_dim})"
         )
-    impl = _resolve_impl(impl)
+    impl = resolve_impl(impl, c)
     selected = select_blocks(q, cache, layer, lengths, placement)
     tier = cache.tier[layer]
     read_hbm = selected & (tier == TIER_HBM)
@@ -233,13 +211,13 @@ def tiered_attention(
     slot = cache.slot[layer]
     with jax.named_scope("hbm_part"):
         out_h, lse_h, blse_h = _attend(
-            impl, q, cache.hbm_k[layer], cache.hbm_v[layer], slot, read_hbm, lengths, scale
+            impl, q, cache.hbm_k, cache.hbm_v, slot, read_hbm, lengths, scale, layer=layer
         )
     with jax.named_scope("host_part"):
         n_stage = staging_blocks(placement, c.max_blocks)
         sk, sv, stable = fetch_host_blocks(cache, layer, read_host, n_stage)
         out_d, lse_d, blse_d = _attend(impl, q, sk, sv, stable, read_host, lengths, scale)
-    out, lse = merge_partials(out_h, lse_h, out_d, lse_d)
+    out, lse = merge_partials(jnp.stack([out_h, out_d]), jnp.stack([lse_h, lse_d]))
     if blse_h is None:
         mass = jnp.zeros(selected.shape, jnp.float32)
     else:

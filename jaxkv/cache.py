@@ -16,11 +16,13 @@ All operations are pure functions returning a new cache and run inside or outsid
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from jaxkv._pytree import pytree_dataclass, replace, static_field
-from jaxkv.config import HBM_KIND, HOST_KIND, TIER_HBM, TIER_HOST, TIER_NONE, CacheConfig
+from jaxkv.config import HBM_KIND, TIER_HBM, TIER_HOST, TIER_NONE, CacheConfig
 
 
 def _sharding(kind: str):
@@ -64,8 +66,8 @@ class TieredKVCache:
         return TieredKVCache(
             hbm_k=to_kind(hbm, HBM_KIND),
             hbm_v=to_kind(hbm, HBM_KIND),
-            host_k=to_kind(host, HOST_KIND),
-            host_v=to_kind(jnp.zeros_like(host), HOST_KIND),
+            host_k=to_kind(host, c.host_memory_kind),
+            host_v=to_kind(jnp.zeros_like(host), c.host_memory_kind),
             tier=tier,
             slot=slot,
             hbm_free=hbm_free,
@@ -189,8 +191,8 @@ def _prefill(cache: TieredKVCache, k, v, lengths) -> TieredKVCache:
         cache,
         hbm_k=to_kind(hk, HBM_KIND),
         hbm_v=to_kind(hv, HBM_KIND),
-        host_k=to_kind(xk, HOST_KIND),
-        host_v=to_kind(xv, HOST_KIND),
+        host_k=to_kind(xk, c.host_memory_kind),
+        host_v=to_kind(xv, c.host_memory_kind),
         tier=jnp.broadcast_to(jnp.where(written, tier, TIER_NONE), (L, B, M)).astype(jnp.int32),
         slot=jnp.broadcast_to(slot, (L, B, M)),
         hbm_free=jnp.broadcast_to(~hbm_used, (L, S_h)),
@@ -286,7 +288,7 @@ def advance(cache: TieredKVCache, active) -> TieredKVCache:
                 layer,
                 old_slot,
                 host_slot,
-                HOST_KIND,
+                c.host_memory_kind,
             )
             tier = (
                 cache.tier.at[layer, b, j_old].set(TIER_HOST).at[layer, b, new_j[b]].set(TIER_HBM)
@@ -387,7 +389,14 @@ def migrate(cache: TieredKVCache, moves: Moves) -> tuple[TieredKVCache, jax.Arra
 
         def do(cache):
             host_k, host_v = _copy_block(
-                cache.hbm_k, cache.hbm_v, cache.host_k, cache.host_v, layer, src, dst, HOST_KIND
+                cache.hbm_k,
+                cache.hbm_v,
+                cache.host_k,
+                cache.host_v,
+                layer,
+                src,
+                dst,
+                c.host_memory_kind,
             )
             return replace(
                 cache,
@@ -454,25 +463,35 @@ def migrate(cache: TieredKVCache, moves: Moves) -> tuple[TieredKVCache, jax.Arra
     return cache, jnp.stack(counts).astype(jnp.int32)
 
 
-def compact(cache: TieredKVCache) -> TieredKVCache:
+@functools.partial(jax.jit, static_argnames=("impl",))
+def compact(cache: TieredKVCache, impl: str = "xla") -> TieredKVCache:
     """Renumbers occupied HBM slots into a dense prefix (stable order), per layer.
 
-    Returns a cache with identical logical contents whose HBM pool holds its blocks in slots
-    [0, occupied) and whose free slots form the suffix.
+    Blocks move in place (`pallas_kernels.compaction`: the Mosaic GPU kernel for impl="pallas",
+    its pure-jnp reference for "xla"); only slots that change are written. Jitted without
+    donation, so an eager call leaves its input intact; inside a jitted step whose state is
+    donated (the decode loop) the pool is updated in place.
+
+    Args:
+      impl: "xla" | "pallas" ("auto" means "xla" until the kernel is measured on a GPU).
+    Returns:
+      A cache with identical logical contents whose HBM pool holds its blocks in slots
+      [0, occupied) and whose free slots form the suffix.
     """
-    c = cache.config
+    from pallas_kernels.compaction import compaction, compaction_moves, compaction_reference
+
+    if impl not in ("auto", "xla", "pallas"):
+        raise ValueError(f"unknown compaction impl {impl!r}; expected 'auto', 'xla' or 'pallas'")
+    move = compaction if impl == "pallas" else compaction_reference
     used = ~cache.hbm_free  # [L, S]
-    # old slot of each new slot: occupied slots in ascending order, then the free ones
-    old_of_new = jnp.argsort(~used, axis=1, stable=True).astype(jnp.int32)  # [L, S]
-    new_of_old = jnp.argsort(old_of_new, axis=1).astype(jnp.int32)  # [L, S]
-    take = jax.vmap(lambda pool, idx: pool[idx])
-    hbm_k = take(cache.hbm_k, old_of_new)
-    hbm_v = take(cache.hbm_v, old_of_new)
+    src, dst, num_moves, new_of_old = compaction_moves(used)
+    hbm_k = move(cache.hbm_k, src, dst, num_moves)
+    hbm_v = move(cache.hbm_v, src, dst, num_moves)
     in_hbm = cache.tier == TIER_HBM
-    renum = jnp.take_along_axis(new_of_old, cache.slot.reshape(c.num_layers, -1), axis=1)
+    renum = jnp.take_along_axis(new_of_old, cache.slot.reshape(cache.config.num_layers, -1), 1)
     slot = jnp.where(in_hbm, renum.reshape(cache.slot.shape), cache.slot)
     n_used = jnp.sum(used, axis=1, keepdims=True)
-    hbm_free = jnp.arange(c.hbm_blocks)[None] >= n_used
+    hbm_free = jnp.arange(cache.config.hbm_blocks)[None] >= n_used
     return replace(cache, hbm_k=hbm_k, hbm_v=hbm_v, slot=slot, hbm_free=hbm_free)
 
 

@@ -22,6 +22,7 @@ TIER_NONE = -1  # logical block not written (or living in the tail buffer)
 
 HBM_KIND = "device"
 HOST_KIND = "pinned_host"
+HOST_KINDS = ("pinned_host", "unpinned_host", "device")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -47,6 +48,10 @@ class CacheConfig:
       max_len: longest sequence (prompt + generated tokens) the cache can hold.
       block_size: tokens per block (any positive integer; 16 by default).
       dtype: storage dtype name: "float32", "bfloat16" or "float16".
+      host_memory_kind: memory kind of the host tier: "pinned_host" (the real thing),
+        "unpinned_host", or "device" (the host tier emulated in device memory: same code path and
+        metrics, no host memory; used where a tool cannot handle host operands, e.g. Pallas
+        interpret mode inside a jit with pinned_host arguments fails to lower in jax 0.12.0.1).
     """
 
     num_layers: int
@@ -58,8 +63,13 @@ class CacheConfig:
     hbm_capacity: int | float = 1.0
     host_capacity: int | float | None = None
     dtype: str = "float32"
+    host_memory_kind: str = HOST_KIND
 
     def __post_init__(self):
+        if self.host_memory_kind not in HOST_KINDS:
+            raise ValueError(
+                f"host_memory_kind must be one of {HOST_KINDS}, got {self.host_memory_kind!r}"
+            )
         for name in ("num_layers", "kv_heads", "head_dim", "batch", "max_len", "block_size"):
             _positive_int(name, getattr(self, name))
         if self.dtype not in _DTYPES:

@@ -21,11 +21,12 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import cache as kvc
+from jaxkv import importance as imp
 from jaxkv._pytree import pytree_dataclass, replace
-from jaxkv.attention import tiered_attention
+from jaxkv.attention import resolve_impl, tiered_attention
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.cost import layer_step_time
-from jaxkv.policies import Observation, get_policy
+from jaxkv.policies import POLICIES, Observation, get_policy
 
 # ---- sampling ---------------------------------------------------------------------------------
 
@@ -73,15 +74,6 @@ class Sampling:
 
 
 @pytree_dataclass
-class BlockStats:
-    """Per-block read statistics the policies plan from."""
-
-    last_read: jax.Array  # [layers, batch, max_blocks] int32: step of the last read, -1 never
-    read_ema: jax.Array  # [layers, batch, max_blocks] f32: decayed read indicator
-    mass_ema: jax.Array  # [layers, batch, max_blocks] f32: decayed attention mass
-
-
-@pytree_dataclass
 class Metrics:
     hbm_bytes: jax.Array  # [max_steps] f32: KV bytes read from HBM per step (all layers)
     host_bytes: jax.Array  # [max_steps] f32: KV bytes read over the link per step
@@ -107,7 +99,7 @@ class DecodeState:
     win_total: jax.Array  # [] f32: block reads in the current window
     prev_hit: jax.Array  # [] f32: HBM hit rate of the previous window
     policy_state: Any
-    stats: BlockStats
+    stats: imp.Stats  # per-block statistics, [layers, batch * max_blocks]
     metrics: Metrics
 
     @property
@@ -165,7 +157,6 @@ class Decoder:
         self.model_config = mc
         self.cache_config = cache_config
         self.placement = placement
-        self.policy = get_policy(placement.policy, **(policy_kwargs or {}))
         self.max_new_tokens = max_new_tokens
         self.sampler = sampler
         self.profile = HardwareProfile.preset(profile) if isinstance(profile, str) else profile
@@ -173,9 +164,39 @@ class Decoder:
         self.impl = impl
         self.ema_decay = ema_decay
         self.weight_bytes_per_layer = model_weight_bytes(params) / mc.num_layers
+        self.policy = self._make_policy(policy_kwargs or {})
         self._prefill = jax.jit(self._prefill_impl)
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
         self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
+
+    def _make_policy(self, overrides: dict):
+        """Builds the placement policy, filling in what it models from this decoder's geometry
+        (hardware profile, block bytes, weight bytes, window, migration budget)."""
+        c, p = self.cache_config, self.placement
+        cls = POLICIES.get(p.policy)
+        if cls is None:
+            raise ValueError(f"unknown policy {p.policy!r}; expected one of {sorted(POLICIES)}")
+        known = (
+            {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+        )
+        auto = {
+            "profile": self.profile,
+            "block_bytes": float(c.block_bytes),
+            "fixed_bytes": self.weight_bytes_per_layer,
+            "window": p.window,
+            "budget": p.max_moves,
+            "block_size": c.block_size,
+        }
+        policy = get_policy(
+            p.policy, **{**{k: v for k, v in auto.items() if k in known}, **overrides}
+        )
+        if getattr(policy, "needs_forecast", False):
+            raise ValueError(
+                f"policy {p.policy!r} plans from perfect knowledge of future reads, which a live "
+                "decode does not have; use it in `jaxkv simulate`, or an online policy here "
+                "(e.g. 'lru' or 'anneal')"
+            )
+        return policy
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -256,11 +277,7 @@ class Decoder:
             win_total=jnp.float32(0),
             prev_hit=jnp.float32(0),
             policy_state=self.policy.init(L, B * M),
-            stats=BlockStats(
-                last_read=jnp.full((L, B, M), -1, jnp.int32),
-                read_ema=jnp.zeros((L, B, M), jnp.float32),
-                mass_ema=jnp.zeros((L, B, M), jnp.float32),
-            ),
+            stats=imp.init_stats(L, B * M, decay=self.ema_decay),
             metrics=Metrics(
                 hbm_bytes=zeros_f,
                 host_bytes=zeros_f,
@@ -309,12 +326,8 @@ class Decoder:
         read_host = jnp.stack([s.read_host for s in layer_stats])
         mass = jnp.stack([s.mass for s in layer_stats])
         read = read_hbm | read_host
-        d = self.ema_decay
-        stats = BlockStats(
-            last_read=jnp.where(read, step, state.stats.last_read),
-            read_ema=d * state.stats.read_ema + (1 - d) * read,
-            mass_ema=d * state.stats.mass_ema + (1 - d) * mass,
-        )
+        L, N = c.num_layers, c.batch * c.max_blocks
+        stats = imp.update_stats(state.stats, read.reshape(L, N), mass.reshape(L, N), step)
         bb = float(c.block_bytes)
         hbm_b = read_hbm.sum(axis=(1, 2)) * bb  # [L]
         host_b = read_host.sum(axis=(1, 2)) * bb
@@ -361,10 +374,11 @@ class Decoder:
         obs = Observation(
             in_hbm=cache.in_hbm.reshape(L, N),
             valid=cache.sealed.reshape(L, N),
-            last_read=state.stats.last_read.reshape(L, N),
-            read_ema=state.stats.read_ema.reshape(L, N),
-            mass_ema=state.stats.mass_ema.reshape(L, N),
+            last_read=state.stats.last_read,
+            read_ema=state.stats.read_ema,
+            mass_ema=state.stats.mass_ema,
             step=state.step,
+            window_reads=state.stats.window_reads,
             capacity=c.hbm_pool_slots,
         )
         policy_state, target = self.policy.plan(state.policy_state, obs)
@@ -372,7 +386,13 @@ class Decoder:
         cache, moved = kvc.migrate(cache, moves)
         windows = state.metrics.windows + 1
         if p.compact_every:
-            cache = jax.lax.cond(windows % p.compact_every == 0, kvc.compact, lambda x: x, cache)
+            impl = "pallas" if resolve_impl(self.impl, c) == "pallas" else "xla"
+            cache = jax.lax.cond(
+                windows % p.compact_every == 0,
+                lambda x: kvc.compact(x, impl=impl),
+                lambda x: x,
+                cache,
+            )
         n_moved = moved.sum()
         # a migration crosses the link once and touches HBM once: charge the slower side
         mig_bytes = n_moved.astype(jnp.float32) * c.block_bytes

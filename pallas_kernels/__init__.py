@@ -1,0 +1,18 @@
+"""Pallas Mosaic GPU kernels for jaxkv, each with a pure-jnp `<op>_reference` beside it.
+
+Modules (import the functions from them, e.g.
+`from pallas_kernels.blocked_attention import blocked_attention`):
+  blocked_attention  paged decode attention -> (out, lse); BlockSizes; merge_partials
+  compaction         in-place block moves; CompactionBlockSizes; compaction_moves (dense prefix)
+  common             hopper_available() (can the kernels compile here?), shared params
+  paging             input validation and block-list planning for blocked_attention
+
+On CPU the kernels run in the Mosaic GPU interpreter (`plgpu.InterpretGPUParams`); on a
+Hopper GPU they compile. The references run anywhere and are the XLA path. The package keeps
+the module names unshadowed (no function re-exports), so `pallas_kernels.blocked_attention`
+is always the module.
+"""
+
+from pallas_kernels import blocked_attention, common, compaction, paging
+
+__all__ = ["blocked_attention", "common", "compaction", "paging"]

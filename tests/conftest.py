@@ -32,6 +32,7 @@ def random_cache(
     lengths=(21, 13),
     dtype="float32",
     shuffle_moves=16,
+    host_memory_kind="pinned_host",
 ):
     """A cache holding random prompts, then migrated toward a random target placement (so HBM
     and host slots are permuted relative to logical order). Returns (cache, dense k, dense v)."""
@@ -44,6 +45,7 @@ def random_cache(
         block_size=block_size,
         hbm_capacity=hbm_capacity,
         dtype=dtype,
+        host_memory_kind=host_memory_kind,
     )
     T = max(lengths)
     k1, k2, k3 = jax.random.split(key, 3)

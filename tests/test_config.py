@@ -73,3 +73,8 @@ def test_error_placement_topk_fraction():
 def test_measure_returns_positive_bandwidths():
     p = HardwareProfile.measure(nbytes=1 << 20, repeats=2)
     assert p.hbm_bandwidth > 0 and p.link_bandwidth > 0
+
+
+def test_error_host_memory_kind():
+    with pytest.raises(ValueError, match=r"host_memory_kind must be one of .* got 'hbm'"):
+        CacheConfig(**GEOM, host_memory_kind="hbm")

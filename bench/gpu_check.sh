@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# One-shot check on a lent GPU machine (H200, jax preinstalled, no network, Python 3.12).
+# Installs the project without dependencies, runs the GPU-marked tests, a direct kernel smoke
+# check (works without pytest), the kernel benchmark and `jaxkv demo --json`; every step is
+# time-boxed, logged under $OUT and a failing step does not stop the later ones. < 8 min.
+#
+#   OUT=/some/dir bash bench/gpu_check.sh        # summary in $OUT/summary.txt
+set -uo pipefail
+
+OUT="${OUT:-$(pwd)/gpu_check_out}"
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # works even if the install step fails
+DEADLINE=$((SECONDS + ${BUDGET_S:-460}))  # every step is cut to what is left of 8 min
+
+step() {  # step NAME TIMEOUT_S CMD...: run, log, record status, never abort the script
+  local name="$1" limit="$2"
+  shift 2
+  local left=$((DEADLINE - SECONDS))
+  if ((left < 10)); then
+    echo "== $name: skipped (time budget spent)" | tee -a "$SUMMARY"
+    return 0
+  fi
+  ((limit > left)) && limit=$left
+  local t0=$SECONDS
+  echo "== $name: $*" | tee -a "$SUMMARY"
+  if [[ -n "${STEP_STDOUT:-}" ]]; then  # stdout is the result (e.g. JSON), stderr the log
+    timeout "$limit" "$@" >"$STEP_STDOUT" 2>"$OUT/$name.log"
+  else
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  fi
+  local rc=$?
+  echo "   rc=$rc in $((SECONDS - t0)) s (log: $name.log)" | tee -a "$SUMMARY"
+  tail -n 5 "$OUT/$name.log" | sed 's/^/   | /' >>"$SUMMARY"
+  return 0
+}
+
+step env 30 "$PY" -c "import sys, jax, jaxlib; print(sys.version); print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices()); d = jax.devices()[0]; print(getattr(d, 'device_kind', d), getattr(d, 'compute_capability', '?'))"
+step nvidia_smi 15 nvidia-smi
+if [[ -z "${SKIP_INSTALL:-}" ]]; then
+  step install 60 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e .
+fi
+step pytest_gpu 120 "$PY" -m pytest -m gpu tests -q -rA -p no:cacheprovider \
+  --continue-on-collection-errors
+step kernel_smoke 90 "$PY" - <<'PYEOF'
+import numpy as np, jax, jax.numpy as jnp
+from pallas_kernels.blocked_attention import blocked_attention, blocked_attention_reference
+from pallas_kernels.compaction import compaction, compaction_moves, compaction_reference
+rng = np.random.default_rng(0)
+for dtype in (jnp.bfloat16, jnp.float16):
+    for bs in (16, 32, 48):
+        B, QH, KVH, D, MB = 4, 32, 8, 128, 96
+        slots = B * MB
+        q = jnp.asarray(rng.standard_normal((B, QH, D)), dtype)
+        k = jnp.asarray(rng.standard_normal((slots, bs, KVH, D)), dtype)
+        v = jnp.asarray(rng.standard_normal((slots, bs, KVH, D)), dtype)
+        table = jnp.asarray(rng.permutation(slots).reshape(B, MB), jnp.int32)
+        mask = rng.random((B, MB)) < 0.5
+        mask[3] = False
+        lengths = jnp.asarray([1, bs + 1, MB * bs, 1000], jnp.int32)
+        try:
+            got = blocked_attention(q, k, v, table, jnp.asarray(mask), lengths, softcap=30.0, interpret=False)
+            want = blocked_attention_reference(q, k, v, table, jnp.asarray(mask), lengths, softcap=30.0)
+            err = [float(np.nanmax(np.abs(np.asarray(g) - np.asarray(w)))) for g, w in zip(got, want)]
+            print(f"attention {jnp.dtype(dtype)} bs={bs}: max|out err|={err[0]:.2e} max|lse err|={err[1]:.2e}", "OK" if max(err) < 3e-2 else "MISMATCH")
+        except Exception as e:
+            print(f"attention {jnp.dtype(dtype)} bs={bs}: ERROR {type(e).__name__}: {str(e)[:400]}")
+pool = jnp.asarray(rng.standard_normal((4, 256, 16, 8, 128)), jnp.bfloat16)
+src, dst, n, _ = compaction_moves(jnp.asarray(rng.random((4, 256)) < 0.4))
+try:
+    got = compaction(jnp.array(pool), src, dst, n, interpret=False)
+    want = compaction_reference(jnp.array(pool), src, dst, n)
+    print("compaction bit-exact:", bool((np.asarray(got).view(np.uint16) == np.asarray(want).view(np.uint16)).all()))
+except Exception as e:
+    print(f"compaction: ERROR {type(e).__name__}: {str(e)[:400]}")
+PYEOF
+step bench_kernels 150 "$PY" bench/bench_kernels.py --json "$OUT/bench_kernels.json"
+if "$PY" -c "from jaxkv.cli import main" >/dev/null 2>&1; then
+  STEP_STDOUT="$OUT/demo.json" step jaxkv_demo 90 "$PY" -c \
+    'import sys; from jaxkv.cli import main; sys.argv[0] = "jaxkv"; sys.exit(main())' demo --json
+else
+  echo "== jaxkv_demo: skipped (jaxkv.cli not importable)" | tee -a "$SUMMARY"
+fi
+step bench_decode 90 "$PY" bench/bench_decode.py --prompt-len 8192 --steps 32 --batch 1 \
+  --json "$OUT/bench_decode.json"
+step bench_sweep 60 "$PY" bench/bench_kernels.py --only-sweep --iters 10 --json "$OUT/bench_sweep.json"
+echo "done in $SECONDS s; results under $OUT" | tee -a "$SUMMARY"

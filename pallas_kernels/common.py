@@ -1,0 +1,57 @@
+"""Helpers shared by the Mosaic GPU kernels: device check, compiler / interpreter params,
+SMEM layouts for WGMMA operands."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def hopper_available() -> bool:
+    """True when the default device is a GPU the Mosaic GPU kernels compile for (sm_90+).
+
+    For `impl="auto"` dispatch: elsewhere the kernels only run in the (slow) interpreter.
+    """
+    if jax.default_backend() != "gpu":
+        return False
+    cap = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        return float(cap) >= 9.0
+    except (TypeError, ValueError):
+        return False
+
+
+def compiler_params(**kwargs):
+    """Mosaic GPU compiler params shared by the kernels (one place to pin lowering options)."""
+    return plgpu.CompilerParams(**kwargs)
+
+
+def _interpret_params(interpret):
+    """None: interpret unless running on a GPU; True / False force it; a
+    `plgpu.InterpretGPUParams` (e.g. with detect_races=True) is used as is.
+    Returns plgpu interpret params or None (compile)."""
+    if not isinstance(interpret, bool | None):
+        return interpret
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if not interpret:
+        return None
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:
+        raise NotImplementedError(
+            f"jax {jax.__version__} has no plgpu.InterpretGPUParams: the Mosaic GPU kernels "
+            "cannot be interpreted on CPU with this version; use the *_reference functions"
+        )
+    return params()
+
+
+def _swizzle(minor_elems: int, dtype) -> int:
+    return plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
+
+
+def _smem_2d_transforms(minor_elems: int, dtype, swizzle: int | None = None) -> tuple:
+    """Tiling + swizzle for a 2-D WGMMA operand whose minor dimension has `minor_elems`."""
+    swizzle = swizzle or _swizzle(minor_elems, dtype)
+    swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
