@@ -19,7 +19,8 @@ from flax import nnx
 
 from jaxkv.config import CacheConfig, PlacementConfig
 from jaxkv.decode import Decoder, summarize
-from jaxkv.demo import default_model, encode_prompt
+from models.default import default_model
+from models.demo import encode_prompt
 
 
 def time_steps(dec, params, prompt, steps: int, warmup: int = 4) -> tuple[float, dict]:
@@ -45,10 +46,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write results to this path")
     args = ap.parse_args(argv)
 
-    model = default_model()
+    model, tokenizer = default_model()
     mc = model.config
     _, params = nnx.split(model)
-    prompt = np.stack([encode_prompt(model, args.prompt_len)] * args.batch)
+    prompt = np.stack([encode_prompt(model, tokenizer, args.prompt_len)] * args.batch)
     runs = [
         ("all-hbm exact", 1.0, PlacementConfig(policy="static", window=16)),
         (

@@ -1,6 +1,9 @@
-"""The `jaxkv` command. Each subcommand lives in the module that implements it.
+"""The `jaxkv` command.
 
-A module plugs in with `add_cli(subparsers)`: it adds its parser and sets `func(args) -> int`.
+Subcommands are plugins: a module exposing `add_cli(subparsers)`, which adds its parser and sets
+`func(args) -> int`. The library's own (`simulate`) are listed here; commands that need a model
+(`demo`, `generate`, `trace`) live in the `models` package and register through the
+`jaxkv.commands` entry-point group in pyproject.toml, so the library never imports `models`.
 """
 
 from __future__ import annotations
@@ -8,9 +11,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from importlib.metadata import entry_points
 
-# (subcommand module, in jaxkv.*) - imported lazily so `jaxkv --help` stays fast.
-_COMMANDS = ["demo", "simulate"]
+_BUILTIN = {"simulate": "jaxkv.simulate"}
+
+
+def _plugins() -> dict[str, str]:
+    """name -> module path of every subcommand (entry points override nothing built in)."""
+    found = {ep.name: ep.value.split(":")[0] for ep in entry_points(group="jaxkv.commands")}
+    return {**found, **_BUILTIN}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,14 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jaxkv", description="Tiered HBM + host KV cache placement for JAX decoding."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in _COMMANDS:
-        try:
-            module = importlib.import_module(f"jaxkv.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"jaxkv.{name}":
-                raise
-            continue
-        module.add_cli(sub)
+    for _, module in sorted(_plugins().items()):
+        importlib.import_module(module).add_cli(sub)
     return parser
 
 

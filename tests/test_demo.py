@@ -35,7 +35,7 @@ def test_demo_json_is_lossless(capsys):
 
 
 def test_demo_table_is_readable(capsys):
-    from jaxkv.demo import format_table
+    from models.demo import format_table
 
     report = {
         "lossless": True,
@@ -70,3 +70,17 @@ def test_demo_unknown_policy_is_a_clear_error(capsys):
     rc = cli.main(["demo", "--policies", "static,nope", "--prompt-len", "64"])
     assert rc == 2
     assert "unknown policies ['nope']" in capsys.readouterr().err
+
+
+def test_generate_cli_continues_the_prompt(capsys):
+    rc = cli.main(["generate", "--prompt", "def main(args):", "--max-new-tokens", "8"])
+    out = capsys.readouterr()
+    assert rc == 0
+    assert out.out.startswith("def main(args):")
+    assert "8 tokens; HBM hit rate" in out.err
+
+
+def test_generate_rejects_too_long_a_request(capsys):
+    rc = cli.main(["generate", "--prompt", "x", "--max-new-tokens", "100000"])
+    assert rc == 2
+    assert "exceeds the model's max_seq_len" in capsys.readouterr().err

@@ -21,18 +21,9 @@ from flax import nnx
 from jaxkv.config import CacheConfig, PlacementConfig
 from jaxkv.decode import Decoder, summarize
 from jaxkv.policies import POLICIES
+from models.default import default_model
 
 DEFAULT_POLICIES = ("static", "lru", "anneal")
-
-
-def default_model():
-    """The project's default model: the trained small model when shipped, else tiny random."""
-    import models
-
-    loader = getattr(models, "default_model", None)
-    if loader is not None:
-        return loader()
-    return models.tiny_model(0)
 
 
 def _prompt_bytes(n: int) -> np.ndarray:
@@ -44,17 +35,16 @@ def _prompt_bytes(n: int) -> np.ndarray:
     return np.frombuffer(data[:n], np.uint8).astype(np.int32)
 
 
-def encode_prompt(model, n_tokens: int) -> np.ndarray:
-    """A prompt of n_tokens ids from stdlib text: the model's tokenizer when it has one, else
-    bytes (folded into the vocabulary)."""
-    tok = getattr(model, "tokenizer", None)
-    if tok is not None:
-        src = Path(sysconfig.get_paths()["stdlib"]) / "argparse.py"
-        ids = np.asarray(tok.encode(src.read_text()).ids, np.int32)
-        while len(ids) < n_tokens:
-            ids = np.concatenate([ids, ids])
-        return ids[:n_tokens]
-    return _prompt_bytes(n_tokens) % model.config.vocab_size
+def encode_prompt(model, tokenizer, n_tokens: int) -> np.ndarray:
+    """A prompt of n_tokens ids from stdlib text: the tokenizer's ids when there is one, else
+    bytes (folded into the model's vocabulary)."""
+    if tokenizer is None:
+        return _prompt_bytes(n_tokens) % model.config.vocab_size
+    src = Path(sysconfig.get_paths()["stdlib"]) / "argparse.py"
+    ids = np.asarray(tokenizer.encode(src.read_text()).ids, np.int32)
+    while len(ids) < n_tokens:
+        ids = np.concatenate([ids, ids])
+    return ids[:n_tokens]
 
 
 def run_demo(
@@ -75,10 +65,10 @@ def run_demo(
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; expected names from {sorted(POLICIES)}")
-    model = default_model()
+    model, tokenizer = default_model()
     mc = model.config
     _, params = nnx.split(model)
-    prompt = encode_prompt(model, prompt_len)[None]
+    prompt = encode_prompt(model, tokenizer, prompt_len)[None]
     runs = [("all-hbm", 1.0, "static")] + [(p, hbm_fraction, p) for p in policies]
     chunk = 16
     results, tokens = {}, {}
