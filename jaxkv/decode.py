@@ -100,6 +100,7 @@ class DecodeState:
     prev_hit: jax.Array  # [] f32: HBM hit rate of the previous window
     policy_state: Any
     stats: imp.Stats  # per-block statistics, [layers, batch * max_blocks]
+    step_mass: jax.Array  # [layers, batch, max_blocks] f32: last step's attention mass (0 unread)
     metrics: Metrics
 
     @property
@@ -278,6 +279,7 @@ class Decoder:
             prev_hit=jnp.float32(0),
             policy_state=self.policy.init(L, B * M),
             stats=imp.init_stats(L, B * M, decay=self.ema_decay),
+            step_mass=jnp.zeros((L, B, M), jnp.float32),
             metrics=Metrics(
                 hbm_bytes=zeros_f,
                 host_bytes=zeros_f,
@@ -362,6 +364,7 @@ class Decoder:
             win_hbm=state.win_hbm + n_hbm,
             win_total=state.win_total + n_all,
             stats=stats,
+            step_mass=mass,
             metrics=metrics,
         )
         return jax.lax.cond(state.since_plan >= state.window, self._window, lambda s: s, state)

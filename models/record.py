@@ -1,0 +1,158 @@
+"""`jaxkv trace`: record an attention trace while really decoding.
+
+Decodes a prompt with a model over a TieredKVCache and writes, for every decode step and layer,
+the blocks the step attended to and their attention mass (averaged over query heads, summed over
+each block's tokens) in the simulator's .npz format (`jaxkv.trace`, version 1). With
+`--sparsity 0` (exact attention) every block of the context is recorded; with `--sparsity S`
+decoding reads only the top (1 - S) fraction of blocks by the Quest bound (plus sink and recent
+blocks) and the trace holds those read sets.
+
+    jaxkv trace --model default --prompt-file F --steps 500 --out trace.npz
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+
+from jaxkv import trace as kvtrace
+from jaxkv.config import CacheConfig, PlacementConfig
+from jaxkv.decode import Decoder
+from models.generate import encode, load_model
+
+
+def record_trace(
+    model,
+    prompt_ids: np.ndarray,
+    steps: int,
+    *,
+    sparsity: float = 0.0,
+    block_size: int = 16,
+    name: str = "recorded",
+    progress: bool = True,
+) -> kvtrace.FileTrace:
+    """Greedy-decodes `steps` tokens after `prompt_ids` and returns the attention trace.
+
+    Args:
+      model: a models.Llama.
+      prompt_ids: [T] int token ids.
+      steps: decode steps to record (>= 1).
+      sparsity: 0 for exact attention, else the fraction of blocks NOT read, in [0, 1).
+      block_size: tokens per block of the trace and the cache.
+    Returns:
+      A validated FileTrace with ids/mass [steps, layers, K], K = blocks at the last step.
+    """
+    from tqdm.auto import tqdm
+
+    mc = model.config
+    prompt_ids = np.asarray(prompt_ids, np.int32)
+    if prompt_ids.ndim != 1 or len(prompt_ids) < 1:
+        raise ValueError(f"prompt_ids has shape {prompt_ids.shape}, expected [T] with T >= 1")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity must lie in [0, 1), got {sparsity!r}")
+    max_len = len(prompt_ids) + steps + 1
+    if max_len > mc.max_seq_len:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) + steps ({steps}) exceeds the model's "
+            f"max_seq_len={mc.max_seq_len}"
+        )
+    cfg = CacheConfig(
+        num_layers=mc.num_layers,
+        kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        batch=1,
+        max_len=max_len,
+        block_size=block_size,
+        hbm_capacity=1.0,
+        dtype=mc.dtype,
+    )
+    if sparsity == 0.0:
+        placement = PlacementConfig(policy="static", attention="exact", window=1 << 20)
+    else:
+        placement = PlacementConfig(
+            policy="static", attention="sparse", topk=float(1.0 - sparsity), window=1 << 20
+        )
+    dec = Decoder(model, cfg, placement, max_new_tokens=steps + 1)
+    _, params = nnx.split(model)
+    state = dec.prefill(params, prompt_ids[None])
+    K = cfg.max_blocks
+    ids = np.full((steps, mc.num_layers, K), -1, np.int32)
+    mass = np.zeros((steps, mc.num_layers, K), np.float32)
+    for t in tqdm(range(steps), desc="recording", disable=not progress, file=sys.stderr):
+        state = dec.step(params, state)
+        m = np.asarray(state.step_mass[:, 0]) / mc.num_heads  # [layers, max_blocks]
+        n_ctx = kvtrace.context_blocks(len(prompt_ids), t, block_size)
+        read = m[:, :n_ctx] > 0
+        for layer in range(mc.num_layers):
+            sel = np.flatnonzero(read[layer])
+            ids[t, layer, : len(sel)] = sel
+            mass[t, layer, : len(sel)] = m[layer, sel]
+    return kvtrace.validate(
+        {
+            "version": 1,
+            "prompt_len": len(prompt_ids),
+            "block_size": block_size,
+            "ids": ids,
+            "mass": mass,
+            "name": name,
+        }
+    )
+
+
+def save_atomic(path: str | os.PathLike, trace: kvtrace.FileTrace) -> None:
+    """Writes the trace through a temporary file, so a failure leaves nothing half-written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".npz", dir=path.parent)
+    os.close(fd)
+    try:
+        kvtrace.save(tmp, trace)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _cmd(args) -> int:
+    text_path = Path(args.prompt_file)
+    if not text_path.is_file():
+        raise ValueError(f"--prompt-file {str(text_path)!r}: file not found")
+    model, tokenizer = load_model(args.model)
+    ids = encode(tokenizer, text_path.read_text(errors="replace"), model.config.vocab_size)
+    if args.prompt_tokens:
+        ids = ids[: args.prompt_tokens]
+    trace = record_trace(
+        model,
+        ids,
+        args.steps,
+        sparsity=args.sparsity,
+        block_size=args.block_size,
+        name=args.name or text_path.name,
+    )
+    save_atomic(args.out, trace)
+    print(
+        f"wrote {args.out}: prompt {trace.prompt_len} tokens, {trace.steps} steps, "
+        f"{trace.num_layers} layers, block {trace.block_size}"
+    )
+    return 0
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("trace", help="record an attention trace while decoding")
+    p.add_argument("--model", default="default", help="'default' or a local HF checkpoint folder")
+    p.add_argument("--prompt-file", required=True)
+    p.add_argument("--prompt-tokens", type=int, default=0, help="truncate the prompt (0 = all)")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--sparsity", type=float, default=0.0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--name", default=None)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_cmd)
