@@ -1,6 +1,27 @@
-"""The latency model of PAPER.md: a step reads both tiers in parallel and costs the slower one."""
+"""The latency model of PAPER.md: a step reads both tiers in parallel and costs the slower one.
+
+Per (decode step, layer):
+  T_hbm  = (weights + HBM-resident reads + the new token's write + HBM-side migration) / B_hbm
+  T_link = (host-resident reads + link-side migration) / B_link
+  step   = max(T_hbm, T_link)
+
+Migration accounting (used by the simulator and the annealer alike): moving one block either way
+costs its bytes once on each side (a promotion reads it over the link and writes it to HBM; a
+demotion reads it from HBM and writes it over the link), charged to the first step of the window
+in which the move happens.
+
+The Unlimited bound (PAPER.md, calibration) splits every step's bytes between the tiers at the
+ideal ratio, never migrates and has no capacity limit:
+  step = max((weights + write) / B_hbm, (reads + weights + write) / (B_hbm + B_link)).
+No placement beats it: with a = HBM bytes >= weights + write and a + b >= all bytes,
+max(a / B_hbm, b / B_link) >= (a + b) / (B_hbm + B_link).
+
+Every function broadcasts, so it is vectorized over steps, layers and candidate assignments.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 
@@ -30,7 +51,168 @@ def layer_step_time(
       seconds, broadcast shape of the inputs.
     """
     t_hbm = (
-        jnp.asarray(hbm_read_bytes, jnp.float32) + weight_bytes + hbm_write_bytes + hbm_migration_bytes
+        jnp.asarray(hbm_read_bytes, jnp.float32)
+        + weight_bytes
+        + hbm_write_bytes
+        + hbm_migration_bytes
     ) / profile.hbm_bandwidth
-    t_link = (jnp.asarray(host_read_bytes, jnp.float32) + link_migration_bytes) / profile.link_bandwidth
+    t_link = (
+        jnp.asarray(host_read_bytes, jnp.float32) + link_migration_bytes
+    ) / profile.link_bandwidth
     return jnp.maximum(t_hbm, t_link)
+
+
+def unlimited_step_time(
+    read_bytes, *, profile: HardwareProfile, weight_bytes=0.0, hbm_write_bytes=0.0
+):
+    """The Unlimited-HBM bound of one (step, layer), elementwise over any shape.
+
+    Args:
+      read_bytes: KV bytes the step reads (any shape, e.g. [steps, layers]).
+      profile: bandwidths.
+      weight_bytes: the layer's weights (HBM side only).
+      hbm_write_bytes: the new token's K and V (HBM side only).
+    Returns:
+      seconds, shape of `read_bytes`.
+    """
+    fixed = jnp.asarray(weight_bytes, jnp.float32) + hbm_write_bytes
+    total = jnp.asarray(read_bytes, jnp.float32) + fixed
+    return jnp.maximum(
+        fixed / profile.hbm_bandwidth, total / (profile.hbm_bandwidth + profile.link_bandwidth)
+    )
+
+
+def capacity_bound_step_time(
+    read_bytes, capacity_bytes, *, profile: HardwareProfile, weight_bytes=0.0, hbm_write_bytes=0.0
+):
+    """Per-step bound when at most `capacity_bytes` of the reads can be HBM-resident.
+
+    Placement re-chosen for free before every step (no migration cost), so no policy beats it;
+    it is tighter than `unlimited_step_time` when the HBM budget is below the ideal split.
+
+    Args:
+      read_bytes: KV bytes read per (step, layer), any shape.
+      capacity_bytes: HBM pool bytes per layer (broadcasts against `read_bytes`).
+      profile, weight_bytes, hbm_write_bytes: as in `unlimited_step_time`.
+    Returns:
+      seconds, shape of `read_bytes`.
+    """
+    read = jnp.asarray(read_bytes, jnp.float32)
+    fixed = jnp.asarray(weight_bytes, jnp.float32) + hbm_write_bytes
+    bh, bl = profile.hbm_bandwidth, profile.link_bandwidth
+    # Ideal HBM share of the reads, clipped to [0, min(read, capacity)].
+    ideal = (read + fixed) * bh / (bh + bl) - fixed
+    hbm = jnp.clip(ideal, 0.0, jnp.minimum(read, capacity_bytes))
+    return layer_step_time(
+        hbm, read - hbm, profile=profile, weight_bytes=weight_bytes, hbm_write_bytes=hbm_write_bytes
+    )
+
+
+def window_energy(hbm_load, link_load, *, profile: HardwareProfile, fixed_bytes=0.0):
+    """Sum over a window of max(T_hbm, T_link) from per-step loads (the annealer's energy).
+
+    Args:
+      hbm_load: [..., W] HBM-side bytes per step (reads and migration), without weights.
+      link_load: [..., W] link-side bytes per step.
+      profile: bandwidths.
+      fixed_bytes: bytes added to every step's HBM side (weights + write), scalar.
+    Returns:
+      [...] seconds.
+    """
+    t = layer_step_time(hbm_load, link_load, profile=profile, weight_bytes=fixed_bytes)
+    return jnp.sum(t, axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Model geometry for the cost model.
+
+    Attributes:
+      name: preset name.
+      num_layers, kv_heads, head_dim: KV geometry.
+      dtype_bytes: bytes per K or V element.
+      weight_bytes: weight bytes read per layer per decode step (HBM side).
+      param_bytes: all parameter bytes resident in HBM (reduces the KV budget).
+    """
+
+    name: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    weight_bytes: float
+    param_bytes: float
+
+    @property
+    def token_bytes(self) -> int:
+        """K and V bytes of one token in one layer."""
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def hbm_capacity_tokens(self, hbm_budget_bytes: float) -> int:
+        """KV tokens per layer that fit in HBM: (budget - params) / (layers x token bytes)."""
+        kv = hbm_budget_bytes - self.param_bytes
+        if kv <= 0:
+            raise ValueError(
+                f"HBM budget {hbm_budget_bytes / 1e9:.1f} GB leaves no room for KV after "
+                f"{self.param_bytes / 1e9:.1f} GB of parameters: "
+                f"expected > {self.param_bytes / 1e9:.1f} GB"
+            )
+        return int(kv // (self.num_layers * self.token_bytes))
+
+
+_LLAMA_LAYER_PARAMS = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336  # attn + MLP
+GEOMETRIES: dict[str, Geometry] = {
+    # Llama-3.1-8B: GQA 8 KV heads x 128, bf16 -> 4 KiB per token-layer; 436 MB weights per layer
+    # and about 16 GB of parameters in all (embeddings and LM head included).
+    "llama3-8b": Geometry("llama3-8b", 32, 8, 128, 2, 2.0 * _LLAMA_LAYER_PARAMS, 2.0 * 8.03e9),
+    # The paper's own accounting (PAPER.md, calibration): d = 4096, 16 KiB per token-layer,
+    # W = 4 d^2 * 2 + 2 d d_ff * 2 / 8 bytes per layer; HBM capacity = HBM - 2 x params (16 GB).
+    "paper": Geometry(
+        "paper", 32, 32, 128, 2, 4 * 4096 * 4096 * 2 + 2 * 4096 * 14000 * 2 / 8, 16e9
+    ),
+}
+PAPER_HBM_BUDGET = 24e9  # the paper's HBM left for the study, bytes in all
+
+
+def get_geometry(name: str) -> Geometry:
+    """Returns a geometry preset; unknown names raise ValueError listing the valid ones."""
+    if name not in GEOMETRIES:
+        raise ValueError(f"unknown geometry {name!r}; expected one of {sorted(GEOMETRIES)}")
+    return GEOMETRIES[name]
+
+
+def paper_unlimited_seconds(
+    sparsity: float,
+    *,
+    geometry: Geometry | None = None,
+    profile: HardwareProfile | None = None,
+    prompt_len: int = 31_299,
+    steps: int = 10_239,
+) -> float:
+    """The Unlimited bound for the paper's workload: reads are the top (1 - s) of the context.
+
+    Args:
+      sparsity: s in [0, 1).
+      geometry: defaults to the `paper` preset.
+      profile: defaults to `gh200-paper`.
+      prompt_len, steps: the NarrativeQA sample's shape.
+    Returns:
+      total decode seconds over all steps and layers.
+    """
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity must lie in [0, 1), got {sparsity!r}")
+    from jaxkv.config import HardwareProfile as HP
+
+    geometry = geometry or GEOMETRIES["paper"]
+    profile = profile or HP.preset("gh200-paper")
+    ctx = (
+        prompt_len + jnp.arange(steps, dtype=jnp.float32) + 1.0
+    )  # [steps] tokens incl. the new one
+    reads = jnp.ceil((1.0 - sparsity) * ctx) * geometry.token_bytes  # [steps]
+    t = unlimited_step_time(
+        reads,
+        profile=profile,
+        weight_bytes=geometry.weight_bytes,
+        hbm_write_bytes=float(geometry.token_bytes),
+    )
+    return float(jnp.sum(t)) * geometry.num_layers

@@ -26,7 +26,7 @@ from jaxkv._pytree import pytree_dataclass, replace
 from jaxkv.attention import resolve_impl, tiered_attention
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.cost import layer_step_time
-from jaxkv.policies import POLICIES, Observation, get_policy
+from jaxkv.policies import POLICIES, Observation, adapt_window, get_policy
 
 # ---- sampling ---------------------------------------------------------------------------------
 
@@ -187,6 +187,8 @@ class Decoder:
             "window": p.window,
             "budget": p.max_moves,
             "block_size": c.block_size,
+            # the cache is exclusive: a demotion copies the block over the link
+            "demote_cost": 1.0,
         }
         policy = get_policy(
             p.policy, **{**{k: v for k, v in auto.items() if k in known}, **overrides}
@@ -413,9 +415,9 @@ class Decoder:
         hit = state.win_hbm / jnp.maximum(state.win_total, 1.0)
         window = state.window
         if p.adaptive_window:
-            # hit rate falling: plan more often; holding or rising: plan less often
-            delta = jnp.where(hit < state.prev_hit, -p.window_step, p.window_step)
-            window = jnp.clip(window + delta, p.min_window, p.max_window).astype(jnp.int32)
+            window = adapt_window(
+                window, hit, state.prev_hit, p.min_window, p.max_window, p.window_step
+            )
         return replace(
             state,
             cache=cache,

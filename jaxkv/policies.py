@@ -12,12 +12,17 @@ through `plan`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 
+from jaxkv import anneal
+from jaxkv import importance as imp
 from jaxkv._pytree import pytree_dataclass, static_field
+from jaxkv.config import PROFILES, AnnealConfig, HardwareProfile
 
 
 @pytree_dataclass
@@ -31,6 +36,7 @@ class Observation:
     mass_ema: jax.Array  # [layers, N] float32: decayed attention mass
     step: jax.Array  # [] int32: current decode step
     forecast: jax.Array | None = None  # [W, layers, N] float32: P(block read at step t), if known
+    window_reads: jax.Array | None = None  # [layers, N] float32: reads since the last plan, if kept
     capacity: int = static_field(default=0)  # HBM pool slots per layer
 
 
@@ -42,6 +48,19 @@ class Policy(Protocol):
     def plan(self, state: Any, obs: Observation) -> tuple[Any, jax.Array]:
         """Returns (new state, target [layers, N] bool) with target <= valid, sum <= capacity."""
         ...
+
+
+def adapt_window(window, hit, prev_hit, min_window: int, max_window: int, step: int):
+    """The seed article's adaptive window: a falling HBM hit rate plans more often (W - step),
+    a steady or rising one less often (W + step), within [min_window, max_window].
+
+    Args:
+      window: [] int32 current W; hit, prev_hit: [] float32 hit rates of the last two windows.
+    Returns:
+      [] int32 the next W.
+    """
+    delta = jnp.where(hit < prev_hit, -step, step)
+    return jnp.clip(window + delta, min_window, max_window).astype(jnp.int32)
 
 
 def top_capacity(score: jax.Array, valid: jax.Array, capacity: int) -> jax.Array:
@@ -94,7 +113,285 @@ class Reactive:
         return state, top_capacity(score, obs.valid, obs.capacity)
 
 
-POLICIES: dict[str, type] = {"static": Static, "lru": Reactive, "reactive": Reactive}
+def _pages(x, g: int, reduce):
+    """[layers, N] -> [layers, ceil(N / g)] by `reduce` over groups of g blocks (zero padded)."""
+    n = x.shape[-1]
+    pad = -n % g
+    xp = jnp.pad(x, ((0, 0), (0, pad)))
+    return reduce(xp.reshape(x.shape[0], -1, g), axis=-1)
+
+
+def _unpage(p, g: int, n: int):
+    """[layers, P] -> [layers, N]: each page's value on its blocks."""
+    return jnp.repeat(p, g, axis=-1)[:, :n]
+
+
+@dataclasses.dataclass(frozen=True)
+class Page:
+    """The paper's Quest-like baseline: pages of `page_blocks` blocks (16 tokens), perfect
+    one-step lookahead: the pages the next step reads belong in HBM (then those resident, then
+    the most recently read), re-planned every step.
+
+    Needs `obs.forecast` (the true reads of the next step, row 0).
+    """
+
+    name: str = "page"
+    page_blocks: int = 1
+    window: int = 1
+    horizon: int = 1
+    needs_forecast: bool = True
+
+    def init(self, num_layers: int, num_blocks: int):
+        return ()
+
+    def plan(self, state, obs: Observation):
+        _require_forecast(self, obs)
+        g, n = self.page_blocks, obs.valid.shape[-1]
+        nxt = _pages(obs.forecast[0] * obs.valid, g, jnp.sum)
+        res = _pages(obs.in_hbm.astype(jnp.float32), g, jnp.mean)
+        rec = _pages(obs.last_read.astype(jnp.float32), g, jnp.max)
+        score = 4.0 * nxt + 2.0 * res + rec / (1.0 + jnp.max(rec))
+        any_valid = _pages(obs.valid, g, jnp.any)
+        pages = top_capacity(score, any_valid, obs.capacity // g)
+        return state, _unpage(pages, g, n) & obs.valid
+
+
+@dataclasses.dataclass(frozen=True)
+class PaperSA:
+    """The paper's SA-guided heuristic with perfect future knowledge.
+
+    Every `window` steps: score each block by sum over the next `lookahead` steps of
+    read / offset; promote the top `fraction` (R) of the host blocks that will be read, evict HBM
+    blocks not read within the lookahead; when HBM is short, the highest scores win. The paper
+    tunes (W, R) by annealing over whole runs with perfect knowledge; `jaxkv.simulate` tunes them
+    by exhaustive search over a small grid (see `simulate.PAPER_SA_GRID`).
+    """
+
+    name: str = "paper-sa"
+    lookahead: int = 10
+    fraction: float = 0.5
+    window: int = 1
+    needs_forecast: bool = True
+
+    @property
+    def horizon(self) -> int:
+        return self.lookahead
+
+    def init(self, num_layers: int, num_blocks: int):
+        return ()
+
+    def plan(self, state, obs: Observation):
+        _require_forecast(self, obs)
+        f = obs.forecast[: self.lookahead]
+        offset = jnp.arange(1, f.shape[0] + 1, dtype=jnp.float32)[:, None, None]
+        score = jnp.sum(f / offset, axis=0) * obs.valid  # [layers, N]
+        read_soon = score > 0
+        cand = read_soon & ~obs.in_hbm & obs.valid
+        ncand = jnp.sum(cand, axis=-1, keepdims=True)
+        rank = jnp.argsort(jnp.argsort(jnp.where(cand, -score, jnp.inf), axis=-1), axis=-1)
+        promote = cand & (rank < jnp.ceil(self.fraction * ncand))
+        keep = obs.in_hbm & read_soon & obs.valid
+        # keep every resident block read soon, then the promotions by score, within capacity
+        pri = jnp.where(keep, 1e6 + score, jnp.where(promote, score, -jnp.inf))
+        return state, top_capacity(pri, keep | promote, obs.capacity)
+
+
+@pytree_dataclass
+class AnnealPolicyState:
+    key: jax.Array  # [2] uint32: PRNG key data
+    window: jax.Array  # [] int32: W for the coming window
+    prev_hit: jax.Array  # [] float32: HBM hit rate of the last window
+    prev_expected: jax.Array  # [layers, N] float32: forecast reads per block for the last window
+    last_promoted: jax.Array  # [layers, N] bool: blocks promoted at the last plan
+    plans: jax.Array  # [] int32
+    compensations: jax.Array  # [] int32: windows whose forecast error exceeded the threshold
+
+
+@dataclasses.dataclass(frozen=True)
+class Anneal:
+    """Ours: simulated annealing over block placements against a forecast of the next W steps.
+
+    forecast: "ema" (online, from obs.read_ema / last_read), "learned" (online, the logistic model
+      in `learned`), or "oracle" (obs.forecast, the true future reads).
+    window: W, the steps the energy looks ahead (and, when interval = 0, between plans).
+    interval: > 0 re-plans every `interval` steps over the next W (receding horizon); used by
+      the simulator (`next_window`); the decode loop plans every PlacementConfig.window steps.
+    discount: step t of the window weighs discount^t in the energy (near steps count more).
+    hysteresis: extra demotion cost the planner charges itself (x block bytes, both sides), so
+      blocks at the balance margin do not flip tier at every re-plan.
+    adaptive: adapt W by +-window_step within [min_window, max_window] from the hit rate (falling
+      -> plan more often), the seed article's rule; needs obs.window_reads.
+    compensate: when a window's reads deviate from the forecast by more than error_threshold
+      (relative L1 over blocks), recalibrate (blend the last window's measured read frequency into
+      the forecast), and roll back up to `rollback` of the last plan's promotions that went unread
+      (their forecast is zeroed); needs obs.window_reads.
+    The energy model (profile, block bytes, weights, demotion cost) should match the cost model
+    the policy is judged by; the simulator passes its own.
+    """
+
+    name: str = "anneal"
+    forecast: str = "ema"
+    window: int = 50
+    interval: int = 0
+    discount: float = 1.0
+    hysteresis: float = 0.0
+    profile: HardwareProfile = PROFILES["gh200"]
+    block_bytes: float = 16 * 4096.0
+    fixed_bytes: float = 436e6
+    demote_cost: float = 0.0
+    budget: int | None = None
+    config: AnnealConfig = AnnealConfig()
+    adaptive: bool = False
+    min_window: int = 20
+    max_window: int = 100
+    window_step: int = 10
+    compensate: bool = False
+    error_threshold: float = 0.15
+    rollback: int = 5
+    learned: tuple | None = None  # (w_0 .. w_5, b) of importance.learned_forecast
+    prompt_len: int = 0
+    block_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.forecast not in ("ema", "oracle", "learned"):
+            raise ValueError(
+                f"Anneal forecast must be 'ema', 'oracle' or 'learned', got {self.forecast!r}"
+            )
+        if self.forecast == "learned" and self.learned is None:
+            raise ValueError("Anneal forecast='learned' needs learned=(w_0, ..., w_5, b), got None")
+
+    @property
+    def needs_forecast(self) -> bool:
+        return self.forecast == "oracle"
+
+    @property
+    def horizon(self) -> int:
+        return self.max_window if self.adaptive else self.window
+
+    def init(self, num_layers: int, num_blocks: int):
+        key = jax.random.key_data(jax.random.key(self.seed)).astype(jnp.uint32)
+        return AnnealPolicyState(
+            key=key,
+            window=jnp.int32(self.window),
+            prev_hit=jnp.float32(0.0),
+            prev_expected=jnp.zeros((num_layers, num_blocks), jnp.float32),
+            last_promoted=jnp.zeros((num_layers, num_blocks), bool),
+            plans=jnp.int32(0),
+            compensations=jnp.int32(0),
+        )
+
+    def next_window(self, state: AnnealPolicyState):
+        """Steps until the next plan: `interval` when set, else the current W."""
+        return jnp.int32(self.interval) if self.interval > 0 else state.window
+
+    def plan(self, state: AnnealPolicyState, obs: Observation):
+        h = self.horizon
+        window, prev_hit = state.window, state.prev_hit
+        wr = obs.window_reads
+        if wr is not None and self.adaptive:
+            hit = jnp.sum(wr * obs.in_hbm) / jnp.maximum(jnp.sum(wr), 1.0)
+            window = adapt_window(
+                window, hit, state.prev_hit, self.min_window, self.max_window, self.window_step
+            )
+            prev_hit = hit
+        active = (jnp.arange(h) < window).astype(jnp.float32)  # [h]
+        if self.forecast == "oracle":
+            _require_forecast(self, obs)
+            a = obs.forecast[:h] * obs.valid[None]
+            a = jnp.pad(a, ((0, h - a.shape[0]), (0, 0), (0, 0)))
+        elif self.forecast == "ema":
+            a = imp.ema_forecast(obs.read_ema, obs.last_read, obs.step, obs.valid, h)
+        else:
+            stats = imp.Stats(obs.last_read, obs.read_ema, obs.mass_ema, obs.read_ema)
+            feats = imp.features(stats, obs.step, obs.valid, self.prompt_len, self.block_size)
+            params = {
+                "w": jnp.asarray(self.learned[:-1], jnp.float32),
+                "b": jnp.float32(self.learned[-1]),
+            }
+            a = imp.learned_forecast(params, feats, obs.valid, h)
+        compensations = state.compensations
+        if wr is not None and self.compensate:
+            err = jnp.sum(jnp.abs(wr - state.prev_expected)) / jnp.maximum(jnp.sum(wr), 1.0)
+            bad = (err > self.error_threshold) & (state.plans > 0)
+            freq = jnp.clip(wr / jnp.maximum(state.window.astype(jnp.float32), 1.0), 0.0, 1.0)
+            unread = state.last_promoted & (wr == 0)
+            undo = unread & (jnp.cumsum(unread, axis=-1) <= self.rollback)
+            recal = jnp.where(undo[None], 0.0, 0.5 * a + 0.5 * freq[None])
+            a = jnp.where(bad, recal, a)
+            compensations = compensations + bad
+        a = a * active[:, None, None]
+        # A promoted block read at this step crosses the link once (the read) and is written to
+        # HBM; one read from host at the last step only needs the HBM write (its copy is kept).
+        piggyback = ((obs.last_read == obs.step - 1) & ~obs.in_hbm).astype(jnp.float32)
+        a0 = jnp.clip(a[0], 0.0, 1.0)
+        problem = anneal.AnnealProblem(
+            forecast=jnp.swapaxes(a, 0, 1),
+            x0=obs.in_hbm & obs.valid,
+            valid=obs.valid,
+            fixed=jnp.full((h,), self.fixed_bytes, jnp.float32),
+            weight=active * self.discount ** jnp.arange(h, dtype=jnp.float32),
+            promote_hbm=jnp.where(piggyback > 0, 1.0, 1.0 - a0),
+            promote_link=1.0 - piggyback,
+            profile=self.profile,
+            block_bytes=float(self.block_bytes),
+            capacity=obs.capacity,
+            budget=self.budget if self.budget is not None else 1 << 30,
+            demote_cost=float(self.demote_cost + self.hysteresis),
+        )
+        key, sub = jax.random.split(jax.random.wrap_key_data(state.key))
+        x, _, _ = anneal.run(problem, sub, self.config)
+        target = x & obs.valid
+        return (
+            AnnealPolicyState(
+                key=jax.random.key_data(key),
+                window=window,
+                prev_hit=prev_hit,
+                prev_expected=jnp.sum(a, axis=0),
+                last_promoted=target & ~obs.in_hbm,
+                plans=state.plans + 1,
+                compensations=compensations,
+            ),
+            target,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Unlimited:
+    """The Unlimited-HBM bound. It is not a placement: `jaxkv.simulate` computes it with
+    `jaxkv.cost.unlimited_step_time`; planning with it raises ValueError (use anneal-oracle)."""
+
+    name: str = "unlimited"
+    needs_forecast: bool = False
+
+    def init(self, num_layers: int, num_blocks: int):
+        return ()
+
+    def plan(self, state, obs: Observation):
+        raise ValueError(
+            "policy 'unlimited' is a bound computed by jaxkv.cost.unlimited_step_time, not a "
+            "placement; expected a placing policy such as 'anneal-oracle' in the decode loop"
+        )
+
+
+def _require_forecast(policy, obs: Observation) -> None:
+    if obs.forecast is None:
+        raise ValueError(
+            f"policy {policy.name!r} needs obs.forecast (future reads, shape [W, layers, N]); "
+            "got None: it is an oracle for the simulator"
+        )
+
+
+POLICIES: dict[str, Callable[..., Policy]] = {
+    "static": Static,
+    "lru": Reactive,
+    "reactive": Reactive,
+    "page": Page,
+    "paper-sa": PaperSA,
+    "anneal": Anneal,
+    "anneal-oracle": functools.partial(Anneal, name="anneal-oracle", forecast="oracle"),
+    "unlimited": Unlimited,
+}
 
 
 def get_policy(name: str, **kwargs) -> Policy:

@@ -63,7 +63,13 @@ def test_all_hbm_matches_cache_free_forward(tiny, all_hbm_tokens):
 
 @pytest.mark.parametrize(
     "policy,hbm,block_size,window",
-    [("static", 0.25, 8, 4), ("lru", 0.25, 8, 3), ("static", 6, 5, 2), ("lru", 0.5, 5, 1)],
+    [
+        ("static", 0.25, 8, 4),
+        ("lru", 0.25, 8, 3),
+        ("static", 6, 5, 2),
+        ("lru", 0.5, 5, 1),
+        ("anneal", 0.25, 8, 4),
+    ],
 )
 def test_any_placement_gives_all_hbm_tokens(tiny, all_hbm_tokens, policy, hbm, block_size, window):
     model, params = tiny
@@ -161,6 +167,21 @@ def test_error_unknown_policy(tiny):
     model, _ = tiny
     with pytest.raises(ValueError, match=r"unknown policy 'fifo'; expected one of"):
         Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(policy="fifo"))
+
+
+def test_error_oracle_policy_in_live_decode(tiny):
+    model, _ = tiny
+    with pytest.raises(ValueError, match=r"policy 'anneal-oracle' plans from perfect knowledge"):
+        Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(policy="anneal-oracle"))
+
+
+def test_anneal_migrates_under_sparse_attention(tiny):
+    model, params = tiny
+    p = PlacementConfig(policy="anneal", window=4, attention="sparse", topk=3, max_moves=4)
+    dec = Decoder(model, _cfg(model, hbm=0.25), p, max_new_tokens=NEW)
+    state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
+    kvc.check_invariants(state.cache)
+    assert summarize(state)["migrated_blocks"] > 0
 
 
 def test_error_prompt_longer_than_cache(tiny):

@@ -1,0 +1,146 @@
+"""Placement tables (issue 3): the paper's shape and the beyond-the-paper comparison.
+
+    # the paper's shape: Static > Reactive > Page > paper-sa >= Unlimited at 60% sparsity
+    .venv/bin/python bench/bench_simulate.py paper-shape --block-sizes 16,1
+    # beyond the paper: every trace x sparsity, ours against the paper's policies
+    .venv/bin/python bench/bench_simulate.py beyond --layers 8 --steps 1024
+
+Both print markdown tables (latency s, speedup vs Static, latency / Unlimited, HBM hit rate) and
+write the full results as JSON under bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import jax
+
+from jaxkv import cost
+from jaxkv import simulate as sim
+from jaxkv import trace as tr
+from jaxkv.config import AnnealConfig, HardwareProfile
+
+PAPER = ["static", "lru", "page", "paper-sa", "unlimited"]
+OURS = ["static", "lru", "page", "paper-sa", "anneal", "anneal+aw+ec", "anneal-oracle", "unlimited"]
+
+
+def run(kind, block_size, sparsity, names, args):
+    trace = tr.SyntheticTrace(kind, args.prompt_len, args.steps, args.layers, block_size, args.seed)
+    t = time.perf_counter()
+    res = sim.simulate(
+        trace,
+        names,
+        profile=HardwareProfile.preset(args.profile),
+        geometry=cost.get_geometry(args.geometry),
+        sparsity=sparsity,
+        chunk=args.chunk,
+        window=args.window,
+        interval=args.interval,
+        discount=args.discount,
+        oracle_window=args.oracle_window,
+        oracle_discount=args.oracle_discount,
+        anneal_config=AnnealConfig(chains=args.chains),
+        progress=not args.quiet,
+        seed=args.seed,
+    )
+    res["wall_s"] = time.perf_counter() - t
+    return res
+
+
+def row(res, names):
+    p = res["policies"]
+    cells = []
+    for n in names:
+        v = p[n]
+        cells.append(
+            f"{v['latency_s']:.3f} ({v['vs_unlimited']:.3f}, {100 * v['hbm_hit_rate']:.0f}%)"
+        )
+    return cells
+
+
+def trace_stats(args) -> int:
+    """Dynamics of the synthetic traces: read-set swap per step, re-read within 50 steps."""
+    print(f"# trace stats: prompt {args.prompt_len}, {args.steps} steps, {args.layers} layers")
+    print("| trace | block | s | read set swapped per step | reads re-read within 50 steps |")
+    print("|---|---|---|---|---|")
+    for kind in (args.traces or ",".join(tr.SYNTHETIC_KINDS)).split(","):
+        for bs in (int(b) for b in args.block_sizes.split(",")):
+            for s in (float(x) for x in (args.sparsities or "0.6,0.8").split(",")):
+                t = tr.SyntheticTrace(kind, args.prompt_len, args.steps, args.layers, bs, args.seed)
+                st = tr.read_stats(t, s)
+                print(
+                    f"| {kind} | {bs} | {s:g} | {100 * st['swap_per_step']:.1f}% | "
+                    f"{100 * st['reread_within_50']:.1f}% |"
+                )
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("table", choices=["paper-shape", "beyond", "stats"])
+    ap.add_argument("--traces", default=None)
+    ap.add_argument("--sparsities", default=None)
+    ap.add_argument("--block-sizes", default="16")
+    ap.add_argument("--policies", default=None)
+    ap.add_argument("--prompt-len", type=int, default=31_299)
+    ap.add_argument("--steps", type=int, default=2_048)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--profile", default="gh200-paper")
+    ap.add_argument("--geometry", default="paper")
+    ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--window", type=int, default=10)
+    ap.add_argument("--interval", type=int, default=1)
+    ap.add_argument("--discount", type=float, default=0.8)
+    ap.add_argument("--oracle-window", type=int, default=3)
+    ap.add_argument("--oracle-discount", type=float, default=1.0)
+    ap.add_argument("--chains", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.table == "stats":
+        return trace_stats(args)
+    paper = args.table == "paper-shape"
+    traces = args.traces or ("recency-low" if paper else "recency-low,recency-high,patterns")
+    sparsities = args.sparsities or ("0.6" if paper else "0.4,0.5,0.6,0.8")
+    names = (args.policies or ",".join(PAPER if paper else OURS)).split(",")
+    dev = jax.devices()[0]
+    print(f"# {args.table}: device {dev.platform}:{dev.device_kind}, jax {jax.__version__}")
+    print(f"# command: .venv/bin/python bench/bench_simulate.py {' '.join(sys.argv[1:])}")
+    print(
+        f"# prompt {args.prompt_len}, {args.steps} steps, {args.layers} layers, geometry "
+        f"{args.geometry}, profile {args.profile}, anneal W={args.window} interval="
+        f"{args.interval} discount={args.discount} (oracle W={args.oracle_window} discount="
+        f"{args.oracle_discount}) chains={args.chains}"
+    )
+    print("# cell: latency s (latency / Unlimited, HBM hit rate)")
+    print("| trace | block | s | " + " | ".join(names) + " | bound@capacity | sim wall s |")
+    print("|---|---|---|" + "---|" * (len(names) + 2))
+    results = []
+    for kind in traces.split(","):
+        for bs in (int(b) for b in args.block_sizes.split(",")):
+            for s in (float(x) for x in sparsities.split(",")):
+                res = run(kind, bs, s, names, args)
+                results.append(res)
+                capb = res["bounds"]["capacity_s"] / res["bounds"]["unlimited_s"]
+                sa = res["policies"].get("paper-sa", {}).get("tuned", "")
+                print(
+                    f"| {kind} | {bs} | {s:g} | "
+                    + " | ".join(row(res, names))
+                    + f" | {capb:.3f} | {res['wall_s']:.0f} |"
+                    + (f" <!-- {sa} -->" if sa else ""),
+                    flush=True,
+                )
+    out = pathlib.Path(args.out or f"bench/results/placement_{args.table}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    print(f"# wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

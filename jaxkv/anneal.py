@@ -1,0 +1,398 @@
+"""Simulated annealing over block -> tier assignments, chains and layers vmapped, inside jit.
+
+Problem (per layer): choose x in {0, 1}^N (1 = HBM) with x <= valid, sum x <= capacity and at most
+`budget` blocks differing from the current assignment x0, minimizing the window energy
+
+  E(x) = sum_t w_t max((fixed_t + hbm_t(x)) / B_hbm, link_t(x) / B_link)
+  hbm_t(x)  = b * sum_i A[t, i] x_i       + [t = 0] b * (sum_{i in P} h_i + d |D|)
+  link_t(x) = b * sum_i A[t, i] (1 - x_i) + [t = 0] b * (sum_{i in P} l_i + d |D|)
+
+with w_t a per-step weight (1, or a discount for receding-horizon planning; 0 on padding),
+A[t, i] the forecast (probability or 0/1) that block i is read at step t, b the block bytes,
+P = x & ~x0 the promotions (h_i = promote_hbm, l_i = promote_link: per block, so the caller can
+price a block that crosses the link anyway, see `jaxkv.policies.Anneal`) and D = x0 & ~x the
+demotions (d = 0 when host memory keeps a copy of every block, as in the paper; 1 for an exclusive
+cache), all charged to the window's first step
+(see `jaxkv.cost`). The state keeps per-step loads so the energy change of a proposal costs O(W).
+
+Proposals: swap one HBM block with one host block (capacity kept), or, with probability
+`move_prob`, a single promotion (while there is slack) or demotion. Blocks are kept in a
+permutation `perm` whose first `count` entries are the HBM blocks and the next ones the host
+blocks, so sampling a block of either tier is O(1). Acceptance is Metropolis, applied with
+`jnp.where` on the touched entries only.
+
+Init: the best prefix of the blocks ordered by forecast mass (an exact scan over all prefix sizes,
+migration and budget included) or x0, whichever has the lower energy; every chain starts there.
+Schedule (AnnealConfig, defaults from the seed article): T0 = t0_fraction x the init energy,
+multiplied by `cooling` every `cooling_every` iterations; a (layer, chain) stalls after `patience`
+consecutive iterations that improve its best energy by less than `min_improvement` (relative);
+the loop stops when all have stalled or after `max_iters`. One iteration = one proposal per chain
+per layer. The best chain per layer wins.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv._pytree import pytree_dataclass, static_field
+from jaxkv.config import AnnealConfig, HardwareProfile
+
+
+@pytree_dataclass
+class AnnealProblem:
+    """One window's placement problem for every layer."""
+
+    forecast: jax.Array  # [layers, W, N] float32: A[t, i], expected reads of block i at step t
+    x0: jax.Array  # [layers, N] bool: current assignment (True = HBM)
+    valid: jax.Array  # [layers, N] bool: placeable blocks
+    fixed: jax.Array  # [W] float32: HBM bytes every step reads anyway (weights + write)
+    weight: jax.Array  # [W] float32: weight of each step in the energy (discount; 0 = padding)
+    promote_hbm: jax.Array  # [layers, N] float32: HBM-side bytes of promoting a block, x b
+    promote_link: jax.Array  # [layers, N] float32: link-side bytes of promoting a block, x b
+    profile: HardwareProfile = static_field()
+    block_bytes: float = static_field(default=1.0)
+    capacity: int = static_field(default=0)  # HBM pool blocks per layer
+    budget: int = static_field(default=1 << 30)  # max blocks moved per layer per window
+    demote_cost: float = static_field(default=0.0)  # d: demotion bytes per side, x block bytes
+
+
+@pytree_dataclass
+class AnnealState:
+    """Chains of every layer. C = chains."""
+
+    x: jax.Array  # [layers, C, N] bool
+    perm: jax.Array  # [layers, C, N] int32: HBM blocks, then host blocks, then invalid ones
+    count: jax.Array  # [layers, C] int32: blocks in HBM
+    nvalid: jax.Array  # [layers, C] int32: valid blocks
+    moved: jax.Array  # [layers, C] int32: blocks differing from x0
+    hbm: jax.Array  # [layers, C, W] float32: HBM-side load bytes per step (without `fixed`)
+    link: jax.Array  # [layers, C, W] float32: link-side load bytes per step
+    energy: jax.Array  # [layers, C] float32 seconds
+    best_x: jax.Array  # [layers, C, N] bool
+    best_energy: jax.Array  # [layers, C] float32
+    ref_energy: jax.Array  # [layers, C] float32: best energy at the last significant improvement
+    stall: jax.Array  # [layers, C] int32: iterations since that improvement
+    temperature: jax.Array  # [layers, C] float32
+    key: jax.Array  # [layers, C, 2] uint32: one PRNG key per chain
+    it: jax.Array  # [] int32
+
+
+def _energy_of_loads(hbm, link, fixed, weight, profile: HardwareProfile):
+    """hbm, link: [..., W] bytes; fixed, weight: [W] -> [...] seconds."""
+    t = jnp.maximum((hbm + fixed) / profile.hbm_bandwidth, link / profile.link_bandwidth)
+    return jnp.sum(t * weight, axis=-1)
+
+
+def loads(problem: AnnealProblem, x):
+    """Per-step loads of assignments x: [layers, ..., N] bool -> (hbm, link) [layers, ..., W].
+
+    A full recomputation (used by init and by tests to check the O(W) deltas).
+    """
+    b, d = problem.block_bytes, problem.demote_cost
+    a = problem.forecast  # [L, W, N]
+    lead = x.shape[:-1]
+    xb = x.reshape(x.shape[0], -1, x.shape[-1])  # [L, M, N]
+    xf = xb.astype(jnp.float32)
+    hbm = b * jnp.einsum("ltn,lmn->lmt", a, xf)  # [L, M, W]
+    total = b * jnp.sum(a, axis=-1)[:, None, :]  # [L, 1, W]
+    x0 = problem.x0[:, None, :]
+    pro = (xb & ~x0).astype(jnp.float32)  # [L, M, N]
+    dem = jnp.sum(x0 & ~xb, axis=-1).astype(jnp.float32)  # [L, M]
+    mig_h = b * (jnp.sum(pro * problem.promote_hbm[:, None, :], -1) + d * dem)
+    mig_l = b * (jnp.sum(pro * problem.promote_link[:, None, :], -1) + d * dem)
+    first = (jnp.arange(a.shape[1]) == 0).astype(jnp.float32)  # [W]
+    shape = lead + (a.shape[1],)
+    return (
+        (hbm + mig_h[..., None] * first).reshape(shape),
+        (total - hbm + mig_l[..., None] * first).reshape(shape),
+    )
+
+
+def energy(problem: AnnealProblem, x):
+    """Window energy of assignments x: [layers, ..., N] bool -> [layers, ...] seconds."""
+    hbm, link = loads(problem, x)
+    return _energy_of_loads(hbm, link, problem.fixed, problem.weight, problem.profile)
+
+
+def _best_prefix(problem: AnnealProblem, score):
+    """Best prefix of the valid blocks ordered by `score` [L, N]: (x [L, N] bool, energy [L])."""
+    b, cap, d = problem.block_bytes, problem.capacity, problem.demote_cost
+    a, valid = problem.forecast, problem.valid
+    x0 = problem.x0 & valid
+    n = a.shape[-1]
+    order = jnp.argsort(jnp.where(valid, -score, jnp.inf), axis=-1, stable=True)  # [L, N]
+    a_sorted = jnp.take_along_axis(a, order[:, None, :], axis=-1)  # [L, W, N]
+    zero = jnp.zeros(a.shape[:2] + (1,), jnp.float32)
+    hbm = b * jnp.concatenate([zero, jnp.cumsum(a_sorted, axis=-1)], axis=-1)  # [L, W, N+1]
+    total = hbm[..., -1:]
+
+    def prefix(v):  # [L, N] -> [L, N+1] sums of v over the first k blocks of the order
+        vs = jnp.take_along_axis(v, order, axis=-1)
+        return jnp.concatenate([jnp.zeros(vs.shape[:1] + (1,), vs.dtype), jnp.cumsum(vs, -1)], -1)
+
+    kept = prefix(x0.astype(jnp.float32))
+    k = jnp.arange(n + 1, dtype=jnp.float32)
+    pro = k - kept
+    pro_hbm = prefix((~x0) * problem.promote_hbm)
+    pro_link = prefix((~x0) * problem.promote_link)
+    dem = jnp.sum(x0, -1, keepdims=True) - kept
+    first = (jnp.arange(a.shape[1]) == 0)[None, :, None]
+    mig_h = (b * (pro_hbm + d * dem))[:, None, :] * first  # [L, W, N+1]
+    mig_l = (b * (pro_link + d * dem))[:, None, :] * first
+    e = _energy_of_loads(
+        jnp.swapaxes(hbm + mig_h, 1, 2),
+        jnp.swapaxes(total - hbm + mig_l, 1, 2),
+        problem.fixed,
+        problem.weight,
+        problem.profile,
+    )  # [L, N+1]
+    nvalid = jnp.sum(valid, axis=-1, keepdims=True)
+    ok = (k <= cap) & (k <= nvalid) & (pro + dem <= problem.budget)
+    e = jnp.where(ok, e, jnp.inf)
+    # Among (near-)ties keep the most blocks: a block unread within the window is free to keep,
+    # and dropping it would cost a promotion if it is read after the window.
+    best = jnp.min(e, axis=-1)
+    near = e <= best[:, None] * (1.0 + 1e-6)
+    best_k = n - jnp.argmax(near[:, ::-1], axis=-1)  # [L]: the largest near-optimal k
+    rank = jnp.argsort(order, axis=-1)  # [L, N]: position of each block in the order
+    return (rank < best_k[:, None]) & valid, best
+
+
+def greedy_init(problem: AnnealProblem):
+    """The best of x0 and the best prefixes of three orderings: [layers, N] bool.
+
+    Orderings: by weighted forecast mass over the window; next-step reads first (then mass);
+    resident blocks first (then mass: the fewest moves). Each is scanned exactly over all prefix
+    sizes (migration, capacity and budget included).
+    """
+    a, w = problem.forecast, problem.weight
+    x0 = problem.x0 & problem.valid
+    mass = jnp.einsum("ltn,t->ln", a, w)
+    mass = mass / jnp.maximum(jnp.max(mass, axis=-1, keepdims=True), 1e-30)
+    scores = (
+        mass * (1.0 + 1e-3 * x0) + 1e-9 * x0,  # ties favor staying put
+        a[:, 0] + 1e-3 * mass + 1e-9 * x0,
+        x0 + 1e-3 * mass,
+    )
+    best_x, best_e = (
+        x0,
+        jnp.where(jnp.sum(x0, -1) <= problem.capacity, energy(problem, x0), jnp.inf),
+    )
+    for score in scores:
+        x, e = _best_prefix(problem, score)
+        better = e < best_e
+        best_x = jnp.where(better[:, None], x, best_x)
+        best_e = jnp.where(better, e, best_e)
+    return best_x
+
+
+def _perm_of(x, valid):
+    """HBM blocks first, then host, then invalid: [..., N] int32."""
+    key = jnp.where(valid, jnp.where(x, 0, 1), 2)
+    return jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def init(
+    problem: AnnealProblem, key: jax.Array, config: AnnealConfig = AnnealConfig()
+) -> AnnealState:
+    """Builds the chains (all starting from `greedy_init`) with one PRNG key per (layer, chain).
+
+    Args:
+      problem: the window's problem.
+      key: PRNG key.
+      config: schedule; `config.chains` chains per layer.
+    Returns:
+      AnnealState.
+    """
+    layers, n = problem.x0.shape
+    c = config.chains
+    x = jnp.broadcast_to(greedy_init(problem)[:, None, :], (layers, c, n))
+    valid = jnp.broadcast_to(problem.valid[:, None, :], (layers, c, n))
+    hbm, link = loads(problem, x)
+    e = _energy_of_loads(hbm, link, problem.fixed, problem.weight, problem.profile)
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    keys = jax.random.key_data(jax.random.split(key, (layers, c)))  # [layers, C, 2]
+    return AnnealState(
+        x=x,
+        perm=_perm_of(x, valid),
+        count=jnp.sum(x, -1).astype(jnp.int32),
+        nvalid=jnp.sum(valid, -1).astype(jnp.int32),
+        moved=jnp.sum(x != problem.x0[:, None, :], -1).astype(jnp.int32),
+        hbm=hbm,
+        link=link,
+        energy=e,
+        best_x=x,
+        best_energy=e,
+        ref_energy=e,
+        stall=jnp.zeros((layers, c), jnp.int32),
+        temperature=config.t0_fraction * e,
+        key=keys.astype(jnp.uint32),
+        it=jnp.zeros((), jnp.int32),
+    )
+
+
+def _chain_step(
+    a,
+    x0,
+    ph,
+    pl,
+    fixed,
+    weight,
+    x,
+    perm,
+    count,
+    nvalid,
+    moved,
+    hbm,
+    link,
+    e,
+    key,
+    temp,
+    *,
+    profile,
+    b,
+    cap,
+    budget,
+    move_prob,
+    d,
+):
+    """One proposal for one chain. a: [W, N]; x0, ph, pl, x, perm: [N]; hbm, link: [W]."""
+    k_kind, k_p, k_q, k_dir, k_acc, k_next = jax.random.split(jax.random.wrap_key_data(key), 6)
+    u = jax.random.uniform(k_kind)
+    p = jnp.minimum((jax.random.uniform(k_p) * count).astype(jnp.int32), jnp.maximum(count - 1, 0))
+    nhost = nvalid - count
+    q = count + jnp.minimum(
+        (jax.random.uniform(k_q) * nhost).astype(jnp.int32), jnp.maximum(nhost - 1, 0)
+    )
+    is_move = u < move_prob
+    promote = is_move & (jax.random.uniform(k_dir) < 0.5)
+    demote = is_move & ~promote
+    swap = ~is_move
+    feasible = jnp.where(
+        swap,
+        (count > 0) & (nhost > 0),
+        jnp.where(promote, (nhost > 0) & (count < cap), count > 0),
+    )
+    has_i = ~promote  # a block leaves HBM
+    has_j = ~demote  # a block enters HBM
+    i = perm[p]
+    j = perm[q]
+    ai = jnp.where(has_i, a[:, i], 0.0)  # [W]
+    aj = jnp.where(has_j, a[:, j], 0.0)
+    # i leaves HBM: a demotion (x0[i]) or an undone promotion; j enters: the reverse.
+    dmig_i = jnp.where(has_i, jnp.where(x0[i], 1, -1), 0)
+    dmig_j = jnp.where(has_j, jnp.where(x0[j], -1, 1), 0)
+    dmoved = dmig_i + dmig_j
+    dm_h = jnp.where(has_i, jnp.where(x0[i], d, -ph[i]), 0.0) + jnp.where(
+        has_j, jnp.where(x0[j], -d, ph[j]), 0.0
+    )
+    dm_l = jnp.where(has_i, jnp.where(x0[i], d, -pl[i]), 0.0) + jnp.where(
+        has_j, jnp.where(x0[j], -d, pl[j]), 0.0
+    )
+    dh = b * (aj - ai)
+    first = (jnp.arange(a.shape[0]) == 0).astype(jnp.float32)
+    new_hbm, new_link = hbm + dh + b * dm_h * first, link - dh + b * dm_l * first
+    new_e = _energy_of_loads(new_hbm, new_link, fixed, weight, profile)
+    de = new_e - e
+    metropolis = jax.random.uniform(k_acc) < jnp.exp(
+        -jnp.maximum(de, 0.0) / jnp.maximum(temp, 1e-30)
+    )
+    accept = feasible & (moved + dmoved <= budget) & ((de <= 0) | metropolis)
+    # Exchange two positions of perm: swap (p, q); promotion (q, count); demotion (p, count - 1).
+    pa = jnp.where(promote, q, p)
+    pb = jnp.where(swap, q, jnp.where(promote, count, count - 1))
+    va, vb = perm[pa], perm[pb]
+    perm = perm.at[pa].set(jnp.where(accept, vb, va)).at[pb].set(jnp.where(accept, va, vb))
+    x = x.at[i].set(jnp.where(accept & has_i, False, x[i]))
+    x = x.at[j].set(jnp.where(accept & has_j, True, x[j]))
+    dcount = jnp.where(swap, 0, jnp.where(promote, 1, -1))
+    count = count + jnp.where(accept, dcount, 0)
+    moved = moved + jnp.where(accept, dmoved, 0)
+    hbm = jnp.where(accept, new_hbm, hbm)
+    link = jnp.where(accept, new_link, link)
+    e = jnp.where(accept, new_e, e)
+    return x, perm, count, moved, hbm, link, e, jax.random.key_data(k_next)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def step(problem: AnnealProblem, state: AnnealState, config: AnnealConfig = AnnealConfig()):
+    """One iteration: one proposal per chain per layer, then best / stall / temperature updates."""
+    chain = functools.partial(
+        _chain_step,
+        profile=problem.profile,
+        b=problem.block_bytes,
+        cap=problem.capacity,
+        budget=problem.budget,
+        move_prob=config.move_prob,
+        d=problem.demote_cost,
+    )
+    over_chains = jax.vmap(chain, in_axes=(None,) * 6 + (0,) * 10)
+    over_layers = jax.vmap(over_chains, in_axes=(0, 0, 0, 0, None, None) + (0,) * 10)
+    x, perm, count, moved, hbm, link, e, key = over_layers(
+        problem.forecast,
+        problem.x0,
+        problem.promote_hbm,
+        problem.promote_link,
+        problem.fixed,
+        problem.weight,
+        state.x,
+        state.perm,
+        state.count,
+        state.nvalid,
+        state.moved,
+        state.hbm,
+        state.link,
+        state.energy,
+        state.key,
+        state.temperature,
+    )
+    better = e < state.best_energy * (1.0 - 1e-6)  # float noise is not an improvement
+    best_x = jnp.where(better[..., None], x, state.best_x)
+    best_e = jnp.minimum(e, state.best_energy)
+    significant = best_e < state.ref_energy * (1.0 - config.min_improvement)
+    it = state.it + 1
+    cool = (it % config.cooling_every) == 0
+    return AnnealState(
+        x=x,
+        perm=perm,
+        count=count,
+        nvalid=state.nvalid,
+        moved=moved,
+        hbm=hbm,
+        link=link,
+        energy=e,
+        best_x=best_x,
+        best_energy=best_e,
+        ref_energy=jnp.where(significant, best_e, state.ref_energy),
+        stall=jnp.where(significant, 0, state.stall + 1),
+        temperature=jnp.where(cool, state.temperature * config.cooling, state.temperature),
+        key=key,
+        it=it,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def run(problem: AnnealProblem, key: jax.Array, config: AnnealConfig = AnnealConfig()):
+    """Anneals until every chain stalls or `max_iters`; returns the best chain per layer.
+
+    Args:
+      problem: the window's problem.
+      key: PRNG key (the same key gives the same answer).
+      config: schedule.
+    Returns:
+      (x [layers, N] bool, energy [layers] float32, final AnnealState).
+    """
+    state = init(problem, key, config)
+
+    def cond(s):
+        return (s.it < config.max_iters) & jnp.any(s.stall < config.patience)
+
+    state = jax.lax.while_loop(cond, lambda s: step(problem, s, config), state)
+    best = jnp.argmin(state.best_energy, axis=1)  # [layers]
+    x = jnp.take_along_axis(state.best_x, best[:, None, None], axis=1)[:, 0]
+    return x, jnp.min(state.best_energy, axis=1), state

@@ -1,0 +1,281 @@
+"""Per-block access statistics and forecasts of the next window's reads.
+
+A forecast is A [W, layers, N] float32: A[t, l, i] = probability (or expected count) that block i
+of layer l is read at step t of the coming window. Forecasters:
+  oracle  - the true future reads (from a trace): the "perfect knowledge" of the oracles.
+  ema     - decayed read frequency (`Stats.read_ema`), the same for every step of the window,
+            sharpened by recency (a block read in the last step is likely read again soon).
+  quest   - the Quest bound q . max(k_min * q, k_max * q) of per-block key summaries and the
+            current query, inside the decode loop: the top-k blocks by bound.
+  learned - a logistic model over per-block features (EMA values, age, steps since last read,
+            position), trained with optax on traces; evaluated by precision / recall of the next
+            window's reads on held-out traces.
+The statistics are updated once per step by `update_stats`, the same function in the simulator and
+the decode loop.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxkv._pytree import pytree_dataclass, static_field
+
+READ_DECAY = 0.9  # per-step decay of read_ema and mass_ema
+
+
+@pytree_dataclass
+class Stats:
+    """Decayed per-block access statistics."""
+
+    last_read: jax.Array  # [layers, N] int32: step of the last read, -1 if never
+    read_ema: jax.Array  # [layers, N] float32: decayed read indicator (~ P(read) per step)
+    mass_ema: jax.Array  # [layers, N] float32: decayed share of the step's attention mass
+    window_reads: jax.Array  # [layers, N] float32: reads since the last plan
+    decay: float = static_field(default=READ_DECAY)
+
+
+def init_stats(num_layers: int, num_blocks: int, decay: float = READ_DECAY) -> Stats:
+    """Empty statistics for [num_layers, num_blocks] blocks."""
+    shape = (num_layers, num_blocks)
+    return Stats(
+        last_read=jnp.full(shape, -1, jnp.int32),
+        read_ema=jnp.zeros(shape, jnp.float32),
+        mass_ema=jnp.zeros(shape, jnp.float32),
+        window_reads=jnp.zeros(shape, jnp.float32),
+        decay=decay,
+    )
+
+
+def update_stats(stats: Stats, reads, mass, step) -> Stats:
+    """Folds one step in.
+
+    Args:
+      stats: current statistics.
+      reads: [layers, N] bool, blocks read at this step.
+      mass: [layers, N] float32, attention mass at this step (any scale; normalized per layer).
+      step: [] int32, the step.
+    Returns:
+      Stats.
+    """
+    d = stats.decay
+    share = mass / jnp.maximum(jnp.sum(mass, axis=-1, keepdims=True), 1e-30)
+    return Stats(
+        last_read=jnp.where(reads, step, stats.last_read),
+        read_ema=d * stats.read_ema + (1.0 - d) * reads,
+        mass_ema=d * stats.mass_ema + (1.0 - d) * share,
+        window_reads=stats.window_reads + reads,
+        decay=d,
+    )
+
+
+def oracle_forecast(future_reads, window: int | jax.Array | None = None):
+    """The true reads as a forecast.
+
+    Args:
+      future_reads: [Wmax, layers, N] bool, reads of the next Wmax steps.
+      window: steps that count (rows >= window are zeroed); None = all.
+    Returns:
+      [Wmax, layers, N] float32.
+    """
+    a = future_reads.astype(jnp.float32)
+    if window is None:
+        return a
+    return a * (jnp.arange(a.shape[0]) < window)[:, None, None]
+
+
+def ema_forecast(read_ema, last_read, step, valid, wmax: int, window=None, recency: float = 1.0):
+    """Online forecast from decayed statistics: P(read) per step, flat over the window.
+
+    Args:
+      read_ema: [layers, N] float32.
+      last_read: [layers, N] int32.
+      step: [] int32, the current step (the first step of the window).
+      valid: [layers, N] bool.
+      wmax: rows of the output (static).
+      window: active rows (rows >= window are zeroed); None = all.
+      recency: weight of the "read at the last step" indicator, decaying over the window.
+    Returns:
+      [wmax, layers, N] float32.
+    """
+    t = jnp.arange(wmax, dtype=jnp.float32)[:, None, None]
+    just = (last_read == step - 1).astype(jnp.float32)[None]
+    p = read_ema[None] + recency * just * (READ_DECAY ** (t + 1)) * (1.0 - read_ema[None])
+    p = jnp.where(valid[None], jnp.clip(p, 0.0, 1.0), 0.0)
+    if window is not None:
+        p = p * (jnp.arange(wmax) < window)[:, None, None]
+    return p
+
+
+def quest_bound(query, k_min, k_max):
+    """Quest upper bound of q . k over each block's keys.
+
+    Args:
+      query: [heads, head_dim] float.
+      k_min, k_max: [N, heads, head_dim] float, per-block channel-wise key min and max (for GQA,
+        repeat the KV heads to the query heads first).
+    Returns:
+      [N] float32, the bound summed over heads.
+    """
+    q = query[None].astype(jnp.float32)
+    return jnp.sum(jnp.maximum(q * k_min, q * k_max), axis=(-1, -2))
+
+
+def quest_forecast(bound, valid, k: int, wmax: int):
+    """Reads predicted by the Quest bound: the top-k valid blocks, at every step of the window.
+
+    Args:
+      bound: [layers, N] float32.
+      valid: [layers, N] bool.
+      k: blocks per layer (static).
+      wmax: rows of the output (static).
+    Returns:
+      [wmax, layers, N] float32.
+    """
+    s = jnp.where(valid, bound, -jnp.inf)
+    _, idx = jax.lax.top_k(s, min(k, s.shape[-1]))
+    top = jnp.zeros(s.shape, jnp.float32).at[jnp.arange(s.shape[0])[:, None], idx].set(1.0)
+    return jnp.broadcast_to((top * valid)[None], (wmax,) + s.shape)
+
+
+# ------------------------------------------------------------------ learned forecaster (optax)
+
+NUM_FEATURES = 6
+
+
+def features(stats: Stats, step, valid, prompt_len: int, block_size: int):
+    """Per-block features: [layers, N, NUM_FEATURES] float32.
+
+    read_ema, mass_ema (scaled by N), log1p(steps since last read) (or a never-read flag), age of
+    the block in tokens (log1p), relative position in the context, a bias.
+    """
+    n = stats.read_ema.shape[-1]
+    since = jnp.where(stats.last_read >= 0, step - stats.last_read, 10_000)
+    pos = jnp.arange(n, dtype=jnp.float32)[None, :] * block_size
+    now = (prompt_len + step).astype(jnp.float32)
+    f = jnp.stack(
+        [
+            stats.read_ema,
+            stats.mass_ema * n,
+            jnp.log1p(since.astype(jnp.float32)) / 10.0,
+            jnp.broadcast_to(jnp.log1p(jnp.maximum(now - pos, 0.0)) / 12.0, stats.read_ema.shape),
+            jnp.broadcast_to(pos / jnp.maximum(now, 1.0), stats.read_ema.shape),
+            jnp.ones_like(stats.read_ema),
+        ],
+        axis=-1,
+    )
+    return jnp.where(valid[..., None], f, 0.0)
+
+
+def learned_forecast(params, feats, valid, wmax: int, window=None):
+    """P(read per step) from a logistic model, flat over the window: [wmax, layers, N] float32.
+
+    Args:
+      params: {"w": [NUM_FEATURES], "b": []} float32.
+      feats: [layers, N, NUM_FEATURES] from `features`.
+      valid: [layers, N] bool.
+      wmax: rows (static); window: active rows.
+    """
+    p = jax.nn.sigmoid(feats @ params["w"] + params["b"]) * valid
+    out = jnp.broadcast_to(p[None], (wmax,) + p.shape)
+    if window is not None:
+        out = out * (jnp.arange(wmax) < window)[:, None, None]
+    return out
+
+
+def collect_examples(trace, sparsity: float, window: int = 50, max_steps: int | None = None):
+    """Runs the statistics over a trace and pairs each window boundary's features with the
+    fraction of the next window's steps that read each block.
+
+    Returns:
+      (x [examples, NUM_FEATURES] float32, y [examples] float32), valid blocks only.
+    """
+    from jaxkv.simulate import read_mask  # local: simulate imports this module
+
+    steps = min(max_steps or trace.steps, trace.steps)
+    stats = init_stats(trace.num_layers, trace.num_blocks)
+    xs, ys = [], []
+    for t0 in range(0, steps - window + 1, window):
+        mass = trace.mass(t0, window)
+        reads = read_mask(mass, trace.prompt_len, trace.block_size, sparsity, t0)
+        valid = sealed_mask(trace, t0)
+        if t0 > 0:
+            f = features(stats, jnp.int32(t0), valid, trace.prompt_len, trace.block_size)
+            freq = jnp.mean(reads.astype(jnp.float32), axis=0)
+            v = np.asarray(valid)
+            xs.append(np.asarray(f)[v])
+            ys.append(np.asarray(freq)[v])
+        stats = _fold(stats, reads, mass, jnp.int32(t0))
+    if not xs:
+        raise ValueError(f"trace has {steps} steps, expected at least {2 * window} to train on")
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+@jax.jit
+def _fold(stats, reads, mass, t0):
+    def body(s, inp):
+        r, m, t = inp
+        return update_stats(s, r, m, t), None
+
+    ts = t0 + jnp.arange(reads.shape[0], dtype=jnp.int32)
+    return jax.lax.scan(body, stats, (reads, mass, ts))[0]
+
+
+def sealed_mask(trace, step: int):
+    """[layers, N] bool: blocks sealed (placeable) at `step`."""
+    sealed = (trace.prompt_len + step) // trace.block_size
+    return jnp.broadcast_to(
+        jnp.arange(trace.num_blocks) < sealed, (trace.num_layers, trace.num_blocks)
+    )
+
+
+def train_learned(x, y, *, steps: int = 300, learning_rate: float = 0.05, seed: int = 0):
+    """Fits the logistic forecaster with optax (Adam, cross-entropy on read frequencies).
+
+    Args:
+      x: [examples, NUM_FEATURES] float32; y: [examples] float32 in [0, 1].
+    Returns:
+      params {"w": [NUM_FEATURES], "b": []}.
+    """
+    params = {"w": jnp.zeros((NUM_FEATURES,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+    opt = optax.adam(learning_rate)
+    x, y = jnp.asarray(x), jnp.asarray(y)
+
+    def loss(p):
+        logits = x @ p["w"] + p["b"]
+        return jnp.mean(optax.sigmoid_binary_cross_entropy(logits, y))
+
+    @jax.jit
+    def fit(params):
+        def body(carry, _):
+            p, s = carry
+            g = jax.grad(loss)(p)
+            u, s = opt.update(g, s, p)
+            return (optax.apply_updates(p, u), s), None
+
+        return jax.lax.scan(body, (params, opt.init(params)), None, length=steps)[0][0]
+
+    del seed  # deterministic: zero init, full-batch Adam
+    return fit(params)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "threshold"))
+def precision_recall(params, x, y, window: int = 50, threshold: float = 1.0):
+    """Precision and recall of "read in the next window" predictions.
+
+    Args:
+      params: the logistic model; x: [examples, NUM_FEATURES]; y: [examples] read frequencies.
+      window: steps per window; a block is predicted read when its expected reads over the
+        window (per-step probability x window) reach `threshold`.
+    Returns:
+      (precision, recall) float32 scalars.
+    """
+    p = jax.nn.sigmoid(x @ params["w"] + params["b"])
+    pred = p * window >= threshold
+    truth = y > 0
+    tp = jnp.sum(pred & truth)
+    return tp / jnp.maximum(jnp.sum(pred), 1), tp / jnp.maximum(jnp.sum(truth), 1)

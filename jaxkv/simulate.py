@@ -1,0 +1,662 @@
+"""Trace-driven simulator: the policies of `jaxkv.policies` judged by `jaxkv.cost`'s model.
+
+Unit: a block of `block_size` tokens of one layer (block_size=1 = the paper's token granularity).
+Per decode step t (context P + t + 1 tokens, P = prompt length):
+  1. the block sealed at this step (if any) goes to HBM when the layer's pool has a free slot,
+     else to host (write order, as after prefill);
+  2. at a plan step (every W steps, W per policy, adaptive for `+aw`) the policy sees an
+     Observation (oracles also the true reads of the next steps) and returns a target; moving to
+     it costs, per block, an HBM write plus a link read for a promotion (no separate link read
+     when the block is read from host at this step or was at the previous one: the fetched copy
+     is kept; a read at this step of a block promoted now counts as a host read) and
+     `demote_cost` x block bytes on each side for a demotion (0 by default: host memory keeps a
+     copy of every block, as in the paper), all charged to this step;
+  3. the step reads the top ceil((1 - s) x sealed blocks) blocks by attention mass (s = sparsity)
+     plus the tail block (always HBM): max(T_hbm, T_link) per layer, weights and the new token's
+     write on the HBM side (`jaxkv.cost.layer_step_time`).
+The loop runs chunk by chunk (tqdm bar); each chunk is one jit-compiled `lax.scan` over steps per
+policy, planning inside it with `lax.cond`; the reads of a chunk are computed once and shared.
+
+Policy names: those of `jaxkv.policies.POLICIES`, with modifiers for `anneal` / `anneal-oracle`:
+`+aw` (adaptive window) and `+ec` (forecast-error compensation), e.g. `anneal+aw+ec`.
+`paper-sa` runs every (lookahead, fraction) pair of `PAPER_SA_GRID` and reports the best (the
+oracle tuning of its two knobs). `unlimited` is the bound of `jaxkv.cost.unlimited_step_time`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import cost
+from jaxkv import importance as imp
+from jaxkv import trace as tr
+from jaxkv._pytree import pytree_dataclass, static_field
+from jaxkv.config import AnnealConfig, HardwareProfile
+from jaxkv.policies import POLICIES, Observation, Static, get_policy
+
+PAPER_SA_GRID = ((10, 50), (0.5, 1.0))  # lookahead W values, fraction R values
+NEVER = 1 << 30
+
+
+def read_mask(mass, prompt_len: int, block_size: int, sparsity: float, t0):
+    """The blocks each step reads: top ceil((1 - s) x sealed) sealed blocks by mass (mass > 0).
+
+    Args:
+      mass: [n, layers, N] float32, steps t0 .. t0 + n - 1.
+      prompt_len, block_size: trace geometry.
+      sparsity: s in [0, 1).
+      t0: [] int, first step.
+    Returns:
+      [n, layers, N] bool.
+    """
+    return _read_mask(mass, prompt_len, block_size, float(sparsity), jnp.int32(t0))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _read_mask(mass, prompt_len, block_size, sparsity, t0):
+    n, _, nb = mass.shape
+    t = t0 + jnp.arange(n, dtype=jnp.int32)
+    sealed = (prompt_len + t) // block_size  # [n]
+    k = jnp.ceil((1.0 - sparsity) * sealed.astype(jnp.float32)).astype(jnp.int32)  # [n]
+    ok = jnp.arange(nb)[None, None, :] < sealed[:, None, None]
+    m = jnp.where(ok, mass, -1.0)
+    srt = -jnp.sort(-m, axis=-1)  # descending
+    thr = jnp.take_along_axis(
+        srt,
+        jnp.clip(k - 1, 0, nb - 1)[:, None, None] * jnp.ones(srt.shape[:2] + (1,), jnp.int32),
+        axis=-1,
+    )
+    return ok & (m >= thr) & (m > 0) & (k > 0)[:, None, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Everything static about a simulation (hashable)."""
+
+    prompt_len: int
+    block_size: int
+    num_layers: int
+    num_blocks: int
+    capacity: int  # HBM pool blocks per layer (the tail block is extra)
+    token_bytes: int
+    weight_bytes: float
+    profile: HardwareProfile
+    demote_cost: float = 0.0
+
+    @property
+    def block_bytes(self) -> float:
+        return float(self.token_bytes * self.block_size)
+
+    @property
+    def fixed_bytes(self) -> float:
+        """HBM bytes of every step besides the placed blocks: weights, write, about half a tail."""
+        return self.weight_bytes + self.token_bytes * (1 + self.block_size / 2)
+
+
+@pytree_dataclass
+class SimState:
+    in_hbm: jax.Array  # [layers, N] bool
+    stats: imp.Stats
+    pstate: Any
+    next_plan: jax.Array  # [] int32
+    latency: jax.Array  # [] float32: seconds in this chunk (summed over layers)
+    hbm_reads: jax.Array  # [] float32: placed-block reads served from HBM in this chunk
+    reads: jax.Array  # [] float32: placed-block reads in this chunk
+    migrated: jax.Array  # [] float32: blocks moved in this chunk
+    plans: jax.Array  # [] int32: plans in this chunk
+    policy: Any = static_field(default=None)
+
+
+def _window_of(policy, pstate):
+    if isinstance(policy, Static):
+        return jnp.int32(NEVER)
+    if hasattr(policy, "next_window"):
+        return policy.next_window(pstate)
+    return jnp.int32(getattr(policy, "window", 1))
+
+
+def init_state(policy, setup: Setup) -> SimState:
+    """Write-order placement after prefill, empty statistics."""
+    sealed = setup.prompt_len // setup.block_size
+    idx = jnp.arange(setup.num_blocks)
+    in_hbm = jnp.broadcast_to(
+        (idx < sealed) & (idx < setup.capacity), (setup.num_layers, setup.num_blocks)
+    )
+    z = jnp.float32(0)
+    return SimState(
+        in_hbm,
+        imp.init_stats(setup.num_layers, setup.num_blocks),
+        policy.init(setup.num_layers, setup.num_blocks),
+        jnp.int32(0),
+        z,
+        z,
+        z,
+        z,
+        jnp.int32(0),
+        policy,
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0):
+    """Simulates steps t0 .. t0 + chunk - 1 for `state.policy`.
+
+    Args:
+      setup: static geometry and costs.
+      chunk: steps in this chunk (static).
+      state: SimState (accumulators are reset here).
+      reads_buf: [chunk + H, layers, N] bool, reads of these steps and the next H >= horizon.
+      mass: [chunk, layers, N] float32, attention mass of these steps.
+      t0: [] int32.
+    Returns:
+      SimState.
+    """
+    policy = state.policy
+    s = setup
+    L, N = s.num_layers, s.num_blocks
+    b = s.block_bytes
+    horizon = getattr(policy, "horizon", 1)
+    needs = getattr(policy, "needs_forecast", False)
+    blk = jnp.arange(N)
+    z = jnp.float32(0)
+    state = dataclasses.replace(
+        state, latency=z, hbm_reads=z, reads=z, migrated=z, plans=jnp.int32(0)
+    )
+
+    def body(st: SimState, c):
+        t = t0 + c
+        sealed = (s.prompt_len + t) // s.block_size
+        new = (sealed > (s.prompt_len + t - 1) // s.block_size) & (t > 0)
+        valid = jnp.broadcast_to(blk < sealed, (L, N))
+        free = jnp.sum(st.in_hbm, axis=-1) < s.capacity  # [L]
+        in_hbm = st.in_hbm | ((blk == sealed - 1)[None, :] & new & free[:, None])
+
+        def plan(args):
+            in_hbm, stats, pstate = args
+            fc = None
+            if needs:
+                fc = jax.lax.dynamic_slice(reads_buf, (c, 0, 0), (horizon, L, N))
+                fc = fc.astype(jnp.float32)
+            obs = Observation(
+                in_hbm=in_hbm,
+                valid=valid,
+                last_read=stats.last_read,
+                read_ema=stats.read_ema,
+                mass_ema=stats.mass_ema,
+                step=t,
+                forecast=fc,
+                window_reads=stats.window_reads,
+                capacity=s.capacity,
+            )
+            pstate, target = policy.plan(pstate, obs)
+            target = target & valid
+            pro = target & ~in_hbm
+            dem = in_hbm & ~target
+            piggy = (stats.last_read == t - 1) & ~in_hbm
+            mig_h = b * (jnp.sum(pro, -1) + s.demote_cost * jnp.sum(dem, -1))
+            # a block promoted while this step reads it is read over the link once and written
+            # to HBM: no separate link transfer, and its read is a host read
+            now = pro & reads_buf[c] & ~piggy
+            mig_l = b * (jnp.sum(pro & ~piggy & ~now, -1) + s.demote_cost * jnp.sum(dem, -1))
+            moved = jnp.sum(pro) + jnp.sum(dem)
+            stats = dataclasses.replace(stats, window_reads=jnp.zeros_like(stats.window_reads))
+            nxt = t + jnp.maximum(_window_of(policy, pstate), 1)
+            return target, stats, pstate, mig_h, mig_l, moved.astype(jnp.float32), nxt, 1, now
+
+        def skip(args):
+            in_hbm, stats, pstate = args
+            zl = jnp.zeros((L,), jnp.float32)
+            return in_hbm, stats, pstate, zl, zl, z, st.next_plan, 0, jnp.zeros_like(in_hbm)
+
+        in_hbm, stats, pstate, mig_h, mig_l, moved, nxt, planned, now = jax.lax.cond(
+            t >= st.next_plan, plan, skip, (in_hbm, st.stats, st.pstate)
+        )
+        r = reads_buf[c]  # [L, N]
+        n_hbm = jnp.sum(r & in_hbm & ~now, axis=-1).astype(jnp.float32)
+        n_all = jnp.sum(r, axis=-1).astype(jnp.float32)
+        tail = s.token_bytes * ((s.prompt_len + t) % s.block_size + 1)
+        lat = cost.layer_step_time(
+            b * n_hbm + tail,
+            b * (n_all - n_hbm),
+            profile=s.profile,
+            weight_bytes=s.weight_bytes,
+            hbm_write_bytes=float(s.token_bytes),
+            hbm_migration_bytes=mig_h,
+            link_migration_bytes=mig_l,
+        )
+        stats = imp.update_stats(stats, r, mass[c], t)
+        return SimState(
+            in_hbm,
+            stats,
+            pstate,
+            nxt,
+            st.latency + jnp.sum(lat),
+            st.hbm_reads + jnp.sum(n_hbm),
+            st.reads + jnp.sum(n_all),
+            st.migrated + moved,
+            st.plans + planned,
+            policy,
+        ), None
+
+    return jax.lax.scan(body, state, jnp.arange(chunk, dtype=jnp.int32))[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _bounds(setup: Setup, reads, t0):
+    """Unlimited and capacity bounds of a chunk: reads [n, L, N] bool -> two [] float32 sums."""
+    s = setup
+    t = t0 + jnp.arange(reads.shape[0])
+    tail = s.token_bytes * ((s.prompt_len + t) % s.block_size + 1)  # [n]
+    rb = s.block_bytes * jnp.sum(reads, -1).astype(jnp.float32) + tail[:, None]  # [n, L]
+    kw = dict(profile=s.profile, weight_bytes=s.weight_bytes, hbm_write_bytes=float(s.token_bytes))
+    unl = cost.unlimited_step_time(rb, **kw)
+    cap = cost.capacity_bound_step_time(rb, s.capacity * s.block_bytes + tail[:, None], **kw)
+    return jnp.sum(unl), jnp.sum(cap)
+
+
+def make_policy(
+    name: str,
+    setup: Setup,
+    *,
+    anneal_config: AnnealConfig | None = None,
+    window: int = 50,
+    interval: int = 0,
+    discount: float = 1.0,
+    seed: int = 0,
+    **extra,
+):
+    """Builds a policy by (possibly modified) name with the simulator's cost model.
+
+    Names: POLICIES keys; `anneal` and `anneal-oracle` accept `+aw` / `+ec` modifiers;
+    `paper-sa[W,R]` fixes the paper heuristic's knobs.
+    """
+    base, *mods = name.split("+")
+    if base.startswith("paper-sa[") and base.endswith("]"):
+        w, r = base[len("paper-sa[") : -1].split(",")
+        return POLICIES["paper-sa"](name=name, lookahead=int(w), fraction=float(r), window=1)
+    if base not in POLICIES:
+        raise ValueError(
+            f"unknown policy {name!r}; expected one of {sorted(POLICIES)} "
+            "(anneal / anneal-oracle take +aw, +ec)"
+        )
+    if mods and base not in ("anneal", "anneal-oracle"):
+        raise ValueError(
+            f"policy {name!r}: modifiers +aw/+ec apply to anneal and anneal-oracle "
+            f"only, not {base!r}"
+        )
+    bad = [m for m in mods if m not in ("aw", "ec")]
+    if bad:
+        raise ValueError(f"policy {name!r}: unknown modifier {bad[0]!r}; expected 'aw' or 'ec'")
+    if base == "page":
+        return get_policy("page", page_blocks=max(1, 16 // setup.block_size))
+    if base in ("anneal", "anneal-oracle"):
+        kw = dict(
+            name=name,
+            window=window,
+            interval=interval,
+            discount=discount,
+            profile=setup.profile,
+            block_bytes=setup.block_bytes,
+            fixed_bytes=setup.fixed_bytes,
+            demote_cost=setup.demote_cost,
+            adaptive="aw" in mods,
+            compensate="ec" in mods,
+            prompt_len=setup.prompt_len,
+            block_size=setup.block_size,
+            seed=seed,
+        )
+        if "aw" in mods:  # the seed's +-10 in [20, 100] around W = 50, scaled to this W
+            kw.update(
+                min_window=max(1, window // 2),
+                max_window=2 * window,
+                window_step=max(1, window // 5),
+            )
+        if anneal_config is not None:
+            kw["config"] = anneal_config
+        kw.update(extra)
+        return POLICIES[base](**kw)
+    return get_policy(base)
+
+
+def _expand(names, grid):
+    out = []
+    for n in names:
+        if n == "paper-sa":
+            out += [f"paper-sa[{w},{r}]" for w in grid[0] for r in grid[1]]
+        elif n != "unlimited":
+            out.append(n)
+    return out
+
+
+def _time_plan(policy, state: SimState, setup: Setup, reads_buf, t, repeats: int = 2) -> float:
+    """Seconds of one compiled plan on the run's last observation (best of `repeats`)."""
+    h = getattr(policy, "horizon", 1)
+    valid = jnp.broadcast_to(
+        jnp.arange(setup.num_blocks) < (setup.prompt_len + t) // setup.block_size,
+        state.in_hbm.shape,
+    )
+    st = state.stats
+    fc = reads_buf[:h].astype(jnp.float32) if getattr(policy, "needs_forecast", False) else None
+    obs = Observation(
+        state.in_hbm,
+        valid,
+        st.last_read,
+        st.read_ema,
+        st.mass_ema,
+        jnp.int32(t),
+        fc,
+        st.window_reads,
+        setup.capacity,
+    )
+    fn = jax.jit(lambda p, o: policy.plan(p, o))
+    jax.block_until_ready(fn(state.pstate, obs))
+    best = math.inf
+    for _ in range(repeats):
+        t1 = time.perf_counter()
+        jax.block_until_ready(fn(state.pstate, obs))
+        best = min(best, time.perf_counter() - t1)
+    return best
+
+
+def simulate(
+    trace,
+    policies,
+    *,
+    profile: HardwareProfile,
+    geometry: cost.Geometry,
+    sparsity: float,
+    hbm_budget: float = cost.PAPER_HBM_BUDGET,
+    capacity_blocks: int | None = None,
+    chunk: int = 100,
+    demote_cost: float = 0.0,
+    window: int = 10,
+    interval: int = 1,
+    discount: float = 0.8,
+    oracle_window: int = 3,
+    oracle_discount: float = 1.0,
+    anneal_config: AnnealConfig | None = None,
+    paper_sa_grid=PAPER_SA_GRID,
+    steps: int | None = None,
+    progress: bool = True,
+    seed: int = 0,
+    time_plans: bool = True,
+) -> dict:
+    """Runs every policy over the trace and returns the table.
+
+    Args:
+      trace: a FileTrace or SyntheticTrace (`jaxkv.trace`).
+      policies: names (see the module docstring).
+      profile, geometry: cost model.
+      sparsity: s in [0, 1).
+      hbm_budget: HBM bytes in all; the KV pool gets (budget - params) / layers per layer.
+      capacity_blocks: overrides the HBM pool blocks per layer.
+      chunk: steps per compiled chunk.
+      demote_cost: bytes per side of a demotion, as a fraction of a block (0: inclusive host).
+      window, interval, discount: the anneal policies' lookahead W, steps between plans
+        (receding horizon) and per-step discount.
+      oracle_window, oracle_discount: W and discount of anneal-oracle (with the true future a
+        short lookahead wins: a plan is one placement for its whole lookahead).
+      anneal_config: schedule of the anneal policies.
+      paper_sa_grid: (lookaheads, fractions) searched for paper-sa.
+      steps: simulate the first `steps` steps only.
+      progress: tqdm bar over chunks.
+      seed: anneal seed.
+      time_plans: measure one compiled plan per policy (plan_seconds; 0 when False).
+    Returns:
+      {"policies": {name: {latency_s, tokens_per_s, speedup_vs_static, vs_unlimited,
+        hbm_hit_rate, migrated_bytes, plan_seconds, ...}}, "bounds": {...}, "setup": {...}}.
+    """
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity must lie in [0, 1), got {sparsity!r}")
+    if trace.num_layers != geometry.num_layers:
+        geometry = dataclasses.replace(geometry, num_layers=trace.num_layers)
+    if capacity_blocks is None:
+        capacity_blocks = geometry.hbm_capacity_tokens(hbm_budget) // trace.block_size - 1
+    if capacity_blocks < 0:
+        raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+    setup = Setup(
+        trace.prompt_len,
+        trace.block_size,
+        trace.num_layers,
+        trace.num_blocks,
+        int(min(capacity_blocks, trace.num_blocks)),
+        geometry.token_bytes,
+        float(geometry.weight_bytes),
+        profile,
+        float(demote_cost),
+    )
+    names = _expand(policies, paper_sa_grid)
+    pols = {}
+    for n in names:
+        oracle = n.startswith("anneal-oracle")
+        pols[n] = make_policy(
+            n,
+            setup,
+            anneal_config=anneal_config,
+            window=oracle_window if oracle else window,
+            interval=interval,
+            discount=oracle_discount if oracle else discount,
+            seed=seed,
+        )
+    n_steps = min(steps or trace.steps, trace.steps)
+    horizon = max([getattr(p, "horizon", 1) for p in pols.values()] + [1])
+    states = {n: init_state(p, setup) for n, p in pols.items()}
+    acc = {n: dict(latency=0.0, hbm=0.0, reads=0.0, migrated=0.0, plans=0, wall=0.0) for n in names}
+    unl = capb = 0.0
+    bar = range(0, n_steps, chunk)
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(bar, desc=f"simulate s={sparsity:g}", unit="chunk")
+    for t0 in bar:
+        c = min(chunk, n_steps - t0)
+        mass = trace.mass(t0, c + horizon)
+        reads = read_mask(mass, trace.prompt_len, trace.block_size, sparsity, t0)
+        live = (t0 + jnp.arange(c + horizon) < n_steps)[:, None, None]
+        reads = reads & live
+        u, cb = _bounds(setup, reads[:c], jnp.int32(t0))
+        unl, capb = unl + float(u), capb + float(cb)
+        for n in names:
+            w0 = time.perf_counter()
+            st = run_chunk(setup, c, states[n], reads, mass[:c], jnp.int32(t0))
+            a = acc[n]
+            a["latency"] += float(st.latency)
+            a["hbm"] += float(st.hbm_reads)
+            a["reads"] += float(st.reads)
+            a["migrated"] += float(st.migrated)
+            a["plans"] += int(st.plans)
+            a["wall"] += time.perf_counter() - w0
+            states[n] = st
+    out = {}
+    for n in names:
+        a = acc[n]
+        per_plan = 0.0
+        if time_plans and a["plans"]:
+            per_plan = _time_plan(pols[n], states[n], setup, reads, n_steps - 1)
+        out[n] = dict(
+            latency_s=a["latency"],
+            hbm_hit_rate=a["hbm"] / max(a["reads"], 1.0),
+            migrated_bytes=a["migrated"] * setup.block_bytes,
+            plans=a["plans"],
+            plan_seconds=per_plan * a["plans"],
+            sim_seconds=a["wall"],
+        )
+    sa = [n for n in names if n.startswith("paper-sa[")]
+    if sa:
+        best = min(sa, key=lambda n: out[n]["latency_s"])
+        out["paper-sa"] = dict(out[best], tuned=best)
+        for n in sa:
+            out.pop(n)
+    if "unlimited" in policies:
+        out["unlimited"] = dict(
+            latency_s=unl,
+            hbm_hit_rate=profile.alpha_star,
+            migrated_bytes=0.0,
+            plans=0,
+            plan_seconds=0.0,
+            sim_seconds=0.0,
+        )
+    static = out.get("static", {}).get("latency_s")
+    for v in out.values():
+        v["tokens_per_s"] = n_steps / v["latency_s"]
+        v["speedup_vs_static"] = static / v["latency_s"] if static else None
+        v["vs_unlimited"] = v["latency_s"] / unl
+    order = [p for p in policies if p in out]
+    return {
+        "policies": {p: out[p] for p in order},
+        "bounds": {"unlimited_s": unl, "capacity_s": capb},
+        "setup": {
+            "trace": trace.name,
+            "steps": n_steps,
+            "prompt_len": trace.prompt_len,
+            "block_size": trace.block_size,
+            "layers": trace.num_layers,
+            "blocks": trace.num_blocks,
+            "capacity_blocks": setup.capacity,
+            "sparsity": sparsity,
+            "profile": profile.name,
+            "geometry": geometry.name,
+            "demote_cost": demote_cost,
+            "device": jax.devices()[0].device_kind,
+            "jax": jax.__version__,
+        },
+    }
+
+
+def format_table(result: dict) -> str:
+    """The human-readable table of `simulate`'s result."""
+    s = result["setup"]
+    lines = [
+        f"trace {s['trace']}  steps {s['steps']}  prompt {s['prompt_len']}  block {s['block_size']}"
+        f"  layers {s['layers']}  HBM pool {s['capacity_blocks']}/{s['blocks']} blocks  "
+        f"s={s['sparsity']:g}  profile {s['profile']}  geometry {s['geometry']}",
+        f"{'policy':<16}{'latency s':>11}{'tok/s':>9}{'vs static':>10}{'vs unlim':>9}"
+        f"{'HBM hit':>9}{'migrated GB':>12}{'plan s':>9}",
+    ]
+    for name, v in result["policies"].items():
+        sp = v["speedup_vs_static"]
+        lines.append(
+            f"{name:<16}{v['latency_s']:>11.4f}{v['tokens_per_s']:>9.1f}"
+            f"{(f'{sp:.2f}x' if sp else '-'):>10}{v['vs_unlimited']:>9.3f}"
+            f"{100 * v['hbm_hit_rate']:>8.1f}%{v['migrated_bytes'] / 1e9:>12.2f}"
+            f"{v['plan_seconds']:>9.2f}" + (f"  ({v['tuned']})" if "tuned" in v else "")
+        )
+    lines.append(
+        f"bound with the HBM capacity (free per-step placement): "
+        f"{result['bounds']['capacity_s']:.4f} s"
+    )
+    return "\n".join(lines)
+
+
+def add_cli(sub) -> None:
+    """Adds `jaxkv simulate`."""
+    p = sub.add_parser(
+        "simulate", help="trace-driven placement simulation", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--trace",
+        default="synthetic:recency-low",
+        help="a .npz path or synthetic:recency-low|recency-high|patterns",
+    )
+    p.add_argument("--profile", default="gh200-paper")
+    p.add_argument("--geometry", default="llama3-8b")
+    p.add_argument("--sparsity", type=float, default=0.6)
+    p.add_argument("--policies", default="static,lru,page,paper-sa,anneal,anneal-oracle,unlimited")
+    p.add_argument(
+        "--hbm-gb",
+        type=float,
+        default=cost.PAPER_HBM_BUDGET / 1e9,
+        help="HBM in all (weights + KV), GB",
+    )
+    p.add_argument("--capacity-blocks", type=int, default=None)
+    p.add_argument("--prompt-len", type=int, default=31_299)
+    p.add_argument("--steps", type=int, default=2_048)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--window", type=int, default=10, help="anneal lookahead W")
+    p.add_argument("--interval", type=int, default=1, help="anneal: steps between plans")
+    p.add_argument("--discount", type=float, default=0.8, help="anneal: per-step discount")
+    p.add_argument("--oracle-window", type=int, default=3, help="anneal-oracle lookahead W")
+    p.add_argument("--oracle-discount", type=float, default=1.0)
+    p.add_argument("--chains", type=int, default=8, help="anneal chains")
+    p.add_argument("--chunk", type=int, default=100)
+    p.add_argument("--demote-cost", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+    profile = HardwareProfile.preset(args.profile)
+    geometry = cost.get_geometry(args.geometry)
+    trace = tr.parse_spec(
+        args.trace,
+        prompt_len=args.prompt_len,
+        steps=args.steps,
+        num_layers=args.layers,
+        block_size=args.block_size,
+        seed=args.seed,
+    )
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    result = simulate(
+        trace,
+        names,
+        profile=profile,
+        geometry=geometry,
+        sparsity=args.sparsity,
+        hbm_budget=args.hbm_gb * 1e9,
+        capacity_blocks=args.capacity_blocks,
+        chunk=args.chunk,
+        demote_cost=args.demote_cost,
+        window=args.window,
+        interval=args.interval,
+        discount=args.discount,
+        oracle_window=args.oracle_window,
+        oracle_discount=args.oracle_discount,
+        anneal_config=AnnealConfig(chains=args.chains),
+        progress=not args.no_progress,
+        seed=args.seed,
+    )
+    if args.json:
+        keys = (
+            "latency_s",
+            "tokens_per_s",
+            "speedup_vs_static",
+            "vs_unlimited",
+            "hbm_hit_rate",
+            "migrated_bytes",
+            "plan_seconds",
+        )
+        print(
+            json.dumps(
+                {
+                    "policies": {n: {k: v[k] for k in keys} for n, v in result["policies"].items()},
+                    "bounds": result["bounds"],
+                    "setup": result["setup"],
+                }
+            )
+        )
+    else:
+        print(format_table(result))
+    return 0
+
+
+__all__ = [
+    "simulate",
+    "read_mask",
+    "run_chunk",
+    "make_policy",
+    "Setup",
+    "SimState",
+    "add_cli",
+    "format_table",
+]

@@ -1,0 +1,298 @@
+"""Attention traces: the .npz format, validation, and seeded synthetic generators.
+
+A trace says, for every decode step and layer, which blocks the step attends to and with what
+(head-averaged, summed over the block's tokens) attention mass. The simulator applies a sparsity s
+on top: at each (step, layer) the top ceil((1 - s) x sealed blocks) blocks by mass (mass > 0) are
+read, plus the tail block (the one being filled, always in HBM).
+
+File format (`save` / `load`, numpy .npz, version 1):
+  version     [] int64           1
+  prompt_len  [] int64           tokens in the context before decode step 0
+  block_size  [] int64           tokens per block (1 = the paper's token granularity)
+  ids         [steps, layers, K] int32    block ids attended at that (step, layer); -1 = padding
+  mass        [steps, layers, K] float32  attention mass of each id, finite and >= 0; 0 on padding
+  name        [] str (optional)  a label
+At step t (0-based) the context holds prompt_len + t + 1 tokens (the new one included), so valid ids
+are 0 .. ceil((prompt_len + t + 1) / block_size) - 1. K is free (a recorder may keep the top K
+blocks only). `load` rejects a bad file with a ValueError naming the field.
+
+Every trace (file or synthetic) exposes the same duck type used by `jaxkv.simulate`:
+  prompt_len, block_size, num_layers, steps, num_blocks (blocks at the end of the trace), name,
+  and `mass(t0, n) -> [n, layers, num_blocks] float32` (dense mass of steps t0 .. t0 + n - 1; zero
+  beyond each step's context and beyond the trace's last step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SYNTHETIC_KINDS = ("recency-low", "recency-high", "patterns")
+_REQUIRED = ("version", "prompt_len", "block_size", "ids", "mass")
+
+
+def context_blocks(prompt_len: int, step, block_size: int):
+    """Blocks in the context at `step` (the new token included); works on ints and arrays."""
+    return (prompt_len + step + 1 + block_size - 1) // block_size
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FileTrace:
+    """A recorded (or saved) trace held in memory in the sparse file layout."""
+
+    prompt_len: int
+    block_size: int
+    ids: np.ndarray  # [steps, layers, K] int32, -1 = padding
+    mass_values: np.ndarray  # [steps, layers, K] float32
+    name: str = "file"
+
+    @property
+    def steps(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.ids.shape[1]
+
+    @property
+    def num_blocks(self) -> int:
+        return context_blocks(self.prompt_len, self.steps - 1, self.block_size)
+
+    def mass(self, t0: int, n: int) -> jax.Array:
+        """Dense mass of steps t0 .. t0 + n - 1: [n, layers, num_blocks] float32."""
+        idx = np.arange(t0, t0 + n)
+        ok = idx < self.steps
+        ids = np.where(ok[:, None, None], self.ids[np.minimum(idx, self.steps - 1)], -1)
+        vals = self.mass_values[np.minimum(idx, self.steps - 1)]
+        return _densify(jnp.asarray(ids), jnp.asarray(vals), self.num_blocks)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _densify(ids, vals, num_blocks: int):
+    n, layers, _ = ids.shape
+    out = jnp.zeros((n, layers, num_blocks + 1), jnp.float32)
+    safe = jnp.where(ids < 0, num_blocks, ids)  # padding goes to a dropped column
+    t = jnp.arange(n)[:, None, None]
+    lyr = jnp.arange(layers)[None, :, None]
+    return out.at[t, lyr, safe].add(jnp.where(ids < 0, 0.0, vals))[..., :num_blocks]
+
+
+def save(path, trace: FileTrace) -> None:
+    """Writes `trace` in the version-1 .npz layout (see the module docstring)."""
+    np.savez_compressed(
+        path,
+        version=np.int64(1),
+        prompt_len=np.int64(trace.prompt_len),
+        block_size=np.int64(trace.block_size),
+        ids=trace.ids.astype(np.int32),
+        mass=trace.mass_values.astype(np.float32),
+        name=np.str_(trace.name),
+    )
+
+
+def validate(fields: dict) -> FileTrace:
+    """Checks a dict of trace fields and builds a FileTrace; ValueError names the bad field."""
+    for f in _REQUIRED:
+        if f not in fields:
+            raise ValueError(f"trace is missing field {f!r}; expected fields {list(_REQUIRED)}")
+    version = int(np.asarray(fields["version"]))
+    if version != 1:
+        raise ValueError(f"trace field 'version' is {version}, expected 1")
+    prompt_len = int(np.asarray(fields["prompt_len"]))
+    block_size = int(np.asarray(fields["block_size"]))
+    if prompt_len < 0:
+        raise ValueError(f"trace field 'prompt_len' is {prompt_len}, expected >= 0")
+    if block_size < 1:
+        raise ValueError(f"trace field 'block_size' is {block_size}, expected >= 1")
+    ids = np.asarray(fields["ids"])
+    mass = np.asarray(fields["mass"])
+    if ids.ndim != 3 or ids.shape[0] < 1 or ids.shape[1] < 1:
+        raise ValueError(f"trace field 'ids' has shape {ids.shape}, expected [steps, layers, K]")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"trace field 'ids' has dtype {ids.dtype}, expected an integer dtype")
+    if mass.shape != ids.shape:
+        raise ValueError(
+            f"trace field 'mass' has shape {mass.shape}, expected the shape of 'ids' {ids.shape}"
+        )
+    if ids.size and ids.min() < -1:
+        raise ValueError(f"trace field 'ids' has id {int(ids.min())}, expected >= 0 (or -1 = pad)")
+    limit = context_blocks(prompt_len, np.arange(ids.shape[0]), block_size)  # [steps]
+    over = ids >= limit[:, None, None]
+    if over.any():
+        t, layer, k = np.argwhere(over)[0]
+        raise ValueError(
+            f"trace field 'ids' has id {int(ids[t, layer, k])} at step {t}, layer {layer}, beyond "
+            f"the context's {int(limit[t])} blocks (expected < {int(limit[t])})"
+        )
+    if not np.all(np.isfinite(mass)):
+        raise ValueError("trace field 'mass' has NaN or infinite values, expected finite")
+    if mass.size and mass.min() < 0:
+        raise ValueError(f"trace field 'mass' has value {float(mass.min())}, expected >= 0")
+    name = str(np.asarray(fields["name"])) if "name" in fields else "file"
+    return FileTrace(prompt_len, block_size, ids.astype(np.int32), mass.astype(np.float32), name)
+
+
+def load(path) -> FileTrace:
+    """Reads and validates a version-1 .npz trace."""
+    with np.load(path, allow_pickle=False) as z:
+        return validate({k: z[k] for k in z.files})
+
+
+# --------------------------------------------------------------------------- synthetic traces
+
+
+def _hash(*xs):
+    """A stateless 32-bit integer hash (murmur3 finalizer) of uint32 arrays -> uniform in (0, 1)."""
+    h = jnp.uint32(0x9E3779B9)
+    for x in xs:
+        h = h ^ (jnp.asarray(x).astype(jnp.uint32) + jnp.uint32(0x7F4A7C15) + (h << 6) + (h >> 2))
+        h = h ^ (h >> 16)
+        h = h * jnp.uint32(0x85EBCA6B)
+        h = h ^ (h >> 13)
+        h = h * jnp.uint32(0xC2B2AE35)
+        h = h ^ (h >> 16)
+    return (h.astype(jnp.float32) + 0.5) / 4294967296.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticTrace:
+    """A procedural trace: any window's mass is computed on demand from (seed, step, layer, block).
+
+    Kinds:
+      recency-low: mass = recency(age) x lognormal noise; each block redraws its noise every
+        `redraw` steps (staggered), so about 10% of the read set changes per step.
+      recency-high: the same with a noise redrawn every step and larger spread.
+      patterns: the seed's mixture: steady-hot blocks (always heavy), intermittent bursts (on
+        for a while, then off), late-long-tail blocks (old blocks that gain weight as decoding
+        goes on), over a recency background.
+    """
+
+    kind: str
+    prompt_len: int = 31_299
+    steps: int = 2_048
+    num_layers: int = 32
+    block_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.kind not in SYNTHETIC_KINDS:
+            raise ValueError(
+                f"unknown synthetic trace {self.kind!r}; expected one of {list(SYNTHETIC_KINDS)}"
+            )
+        for f in ("steps", "num_layers", "block_size"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"synthetic trace {f} must be >= 1, got {getattr(self, f)}")
+        if self.prompt_len < 0:
+            raise ValueError(f"synthetic trace prompt_len must be >= 0, got {self.prompt_len}")
+
+    @property
+    def name(self) -> str:
+        return f"synthetic:{self.kind}"
+
+    @property
+    def num_blocks(self) -> int:
+        return context_blocks(self.prompt_len, self.steps - 1, self.block_size)
+
+    def mass(self, t0: int, n: int) -> jax.Array:
+        """Dense mass of steps t0 .. t0 + n - 1: [n, layers, num_blocks] float32."""
+        return _synthetic_mass(self, jnp.int32(t0), n)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _synthetic_mass(tr: SyntheticTrace, t0, n: int):
+    bs = tr.block_size
+    t = (t0 + jnp.arange(n, dtype=jnp.int32))[:, None, None]  # [n, 1, 1]
+    layer = jnp.arange(tr.num_layers, dtype=jnp.int32)[None, :, None]  # [1, L, 1]
+    blk = jnp.arange(tr.num_blocks, dtype=jnp.int32)[None, None, :]  # [1, 1, N]
+    pos = (blk * bs + bs // 2).astype(jnp.float32)  # token position of the block's middle
+    now = (tr.prompt_len + t).astype(jnp.float32)
+    age = jnp.maximum(now - pos, 0.0)
+    live = (blk < context_blocks(tr.prompt_len, t, bs)) & (t < tr.steps)
+    seed = jnp.uint32(tr.seed)
+    # Per-layer recency scale between 2k and 16k tokens: some layers are local, some global.
+    tau = 2000.0 * 8.0 ** _hash(seed, layer, 1)
+    recency = 1.0 / (1.0 + age / tau)
+    sink = jnp.where(blk * bs < 4, 4.0, 1.0)
+    if tr.kind in ("recency-low", "recency-high"):
+        redraw, sigma = (6, 1.0) if tr.kind == "recency-low" else (1, 1.5)
+        phase = jnp.floor(_hash(seed, layer, blk, 2) * redraw).astype(jnp.int32)
+        epoch = (t + phase) // redraw
+        z = jax.scipy.special.ndtri(_hash(seed, layer, blk, epoch))
+        m = recency * sink * jnp.exp(sigma * z)
+    else:
+        kind_u = _hash(seed, layer, blk, 3)
+        steady = kind_u < 0.08
+        burst = (kind_u >= 0.08) & (kind_u < 0.5)
+        late = (kind_u >= 0.5) & (kind_u < 0.6)
+        period = 20 + jnp.floor(_hash(seed, layer, blk, 4) * 60).astype(jnp.int32)
+        phase = jnp.floor(_hash(seed, layer, blk, 5) * period).astype(jnp.int32)
+        on = _hash(seed, layer, blk, (t + phase) // period, 6) < 0.35
+        grow = jnp.clip((t.astype(jnp.float32) - 0.3 * tr.steps) / (0.4 * tr.steps + 1), 0, 1)
+        z = jax.scipy.special.ndtri(_hash(seed, layer, blk, (t + phase) // 5, 7))
+        base = recency * jnp.exp(0.7 * z)
+        m = base * sink
+        m = m + jnp.where(steady, 3.0, 0.0) + jnp.where(burst & on, 2.0 * jnp.exp(0.5 * z), 0.0)
+        m = m + jnp.where(late, 4.0 * grow, 0.0)
+    return jnp.where(live, m, 0.0).astype(jnp.float32)
+
+
+def parse_spec(
+    spec: str, *, prompt_len: int, steps: int, num_layers: int, block_size: int, seed: int = 0
+):
+    """Builds a trace from a CLI spec: a .npz path or `synthetic:KIND`.
+
+    Args:
+      spec: path or `synthetic:recency-low|recency-high|patterns`.
+      prompt_len, steps, num_layers, block_size, seed: sizes of a synthetic trace (ignored for a
+        file, whose own sizes rule).
+    Returns:
+      a FileTrace or SyntheticTrace.
+    """
+    if spec.startswith("synthetic:"):
+        return SyntheticTrace(
+            spec.split(":", 1)[1], prompt_len, steps, num_layers, block_size, seed
+        )
+    return load(spec)
+
+
+def to_file_trace(trace, topk: int | None = None) -> FileTrace:
+    """Materializes any trace into the sparse file layout (keeping the top `topk` per row)."""
+    dense = np.asarray(trace.mass(0, trace.steps))  # [steps, layers, N]
+    k = dense.shape[-1] if topk is None else min(topk, dense.shape[-1])
+    order = np.argsort(-dense, axis=-1, kind="stable")[..., :k]
+    vals = np.take_along_axis(dense, order, axis=-1)
+    ids = np.where(vals > 0, order, -1).astype(np.int32)
+    return FileTrace(
+        trace.prompt_len, trace.block_size, ids, np.where(vals > 0, vals, 0.0), trace.name
+    )
+
+
+def read_stats(trace, sparsity: float, steps: int | None = None) -> dict:
+    """Measures a trace's dynamics: read-set swap fraction per step and re-read within 50 steps.
+
+    Returns:
+      {"swap_per_step": mean fraction of the read set replaced between consecutive steps,
+       "reread_within_50": fraction of blocks read at some step that are read again within 50}.
+    """
+    n = min(steps or trace.steps, trace.steps)
+    from jaxkv.simulate import read_mask  # local: simulate imports this module
+
+    reads = np.asarray(read_mask(trace.mass(0, n), trace.prompt_len, trace.block_size, sparsity, 0))
+    a, b = reads[:-1], reads[1:]
+    swap = (a & ~b).sum(-1) / np.maximum(a.sum(-1), 1)
+    horizon = 50
+    later = np.zeros_like(reads)
+    for d in range(1, horizon + 1):
+        later[:-d] |= reads[d:]
+    first = reads[: n - horizon] if n > horizon else reads
+    rr = (first & later[: first.shape[0]]).sum() / max(first.sum(), 1)
+    return {
+        "swap_per_step": float(swap.mean()),
+        "reread_within_50": float(rr),
+        "blocks": int(trace.num_blocks),
+        "steps": int(n),
+    }

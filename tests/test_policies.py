@@ -1,0 +1,162 @@
+"""Policies: the interface contract under jit for every policy, and each policy's rule."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import policies as P
+from jaxkv.config import AnnealConfig
+
+L, N, CAP, H = 2, 24, 6, 5
+
+
+def observation(seed=0, forecast=True, window_reads=True):
+    r = np.random.default_rng(seed)
+    valid = np.zeros((L, N), bool)
+    valid[:, :20] = True
+    in_hbm = np.zeros((L, N), bool)
+    in_hbm[:, :CAP] = True
+    last = np.where(r.random((L, N)) < 0.5, r.integers(0, 30, (L, N)), -1) * valid
+    return P.Observation(
+        in_hbm=jnp.asarray(in_hbm),
+        valid=jnp.asarray(valid),
+        last_read=jnp.asarray(last, jnp.int32),
+        read_ema=jnp.asarray(r.random((L, N)) * valid, jnp.float32),
+        mass_ema=jnp.asarray(r.random((L, N)) * valid / N, jnp.float32),
+        step=jnp.int32(31),
+        forecast=jnp.asarray((r.random((H, L, N)) < 0.3) & valid, jnp.float32)
+        if forecast
+        else None,
+        window_reads=jnp.asarray(r.integers(0, 3, (L, N)) * valid, jnp.float32)
+        if window_reads
+        else None,
+        capacity=CAP,
+    )
+
+
+FAST = AnnealConfig(chains=4, max_iters=200)
+ALL = {
+    "static": P.Static(),
+    "lru": P.Reactive(),
+    "page": P.Page(page_blocks=2),
+    "paper-sa": P.PaperSA(lookahead=H),
+    "anneal": P.Anneal(window=H, config=FAST),
+    "anneal+aw+ec": P.Anneal(window=H, max_window=H, adaptive=True, compensate=True, config=FAST),
+    "anneal-oracle": P.Anneal(name="anneal-oracle", forecast="oracle", window=H, config=FAST),
+    "anneal-learned": P.Anneal(
+        forecast="learned", learned=(1.0, 0, 0, 0, 0, 0, -1.0), window=H, config=FAST
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_plan_is_jittable_within_capacity_and_valid(name):
+    pol = ALL[name]
+    obs = observation()
+    state = pol.init(L, N)
+    plan = jax.jit(pol.plan)
+    for _ in range(2):  # state threads through
+        state, target = plan(state, obs)
+    t = np.asarray(target)
+    assert t.shape == (L, N) and t.dtype == bool
+    assert (t.sum(-1) <= CAP).all()
+    assert not (t & ~np.asarray(obs.valid)).any()
+
+
+def test_static_never_moves():
+    obs = observation()
+    _, t = P.Static().plan((), obs)
+    np.testing.assert_array_equal(t, obs.in_hbm & obs.valid)
+
+
+def test_page_holds_the_pages_read_next():
+    obs = observation()
+    f = np.zeros((H, L, N), np.float32)
+    f[0, :, [8, 9, 12]] = 1.0  # pages (2 blocks) 4 and 6
+    obs = P.Observation(**{**obs.__dict__, "forecast": jnp.asarray(f)})
+    _, t = P.Page(page_blocks=2).plan((), obs)
+    t = np.asarray(t)
+    assert t[:, [8, 9, 12, 13]].all()
+    assert (t.sum(-1) <= CAP).all()
+
+
+def test_paper_sa_evicts_unread_and_promotes_top_fraction():
+    obs = observation()
+    f = np.zeros((H, L, N), np.float32)
+    f[0, :, 1] = 1.0  # resident block read soon: kept
+    f[0, :, 10] = 1.0  # host block read next step: score 1
+    f[3, :, 11] = 1.0  # host block read in 4 steps: score 1/4
+    obs = P.Observation(**{**obs.__dict__, "forecast": jnp.asarray(f)})
+    _, t = P.PaperSA(lookahead=H, fraction=0.5).plan((), obs)
+    t = np.asarray(t)
+    assert t[:, 1].all() and t[:, 10].all()
+    assert not t[:, 11].any()  # R = 0.5 of the two candidates
+    assert not t[:, [0, 2, 3, 4, 5]].any()  # resident, not read within the lookahead
+    _, t = P.PaperSA(lookahead=H, fraction=1.0).plan((), obs)
+    assert np.asarray(t)[:, 11].all()
+
+
+def test_anneal_oracle_promotes_what_is_read():
+    obs = observation()
+    f = np.zeros((H, L, N), np.float32)
+    f[:, :, 10:16] = 1.0  # six host blocks read at every step
+    obs = P.Observation(**{**obs.__dict__, "forecast": jnp.asarray(f)})
+    pol = P.Anneal(name="anneal-oracle", forecast="oracle", window=H, config=FAST, fixed_bytes=0.0)
+    _, t = pol.plan(pol.init(L, N), obs)
+    # link-bound: the reads go to HBM up to the balance point, never to an unread block
+    t = np.asarray(t)
+    assert t[:, 10:16].sum() >= 8 and not t[:, :10].any() and not t[:, 16:].any()
+
+
+def test_compensation_triggers_on_a_bad_forecast():
+    pol = P.Anneal(window=H, compensate=True, config=FAST, error_threshold=0.15)
+    obs = observation()
+    st = pol.init(L, N)
+    st, _ = pol.plan(st, obs)
+    bad = P.Observation(**{**obs.__dict__, "window_reads": obs.window_reads * 0 + 5.0 * obs.valid})
+    st2, _ = pol.plan(st, bad)
+    assert int(st2.compensations) == 1
+
+
+def test_adaptive_window_moves_by_step_within_bounds():
+    pol = P.Anneal(window=50, adaptive=True, config=FAST, min_window=20, max_window=60)
+    obs = observation(forecast=False)
+    st = pol.init(L, N)
+    st, _ = pol.plan(st, obs)  # hit rate >= 0 (previous): grow
+    assert int(pol.next_window(st)) == 60
+    st, _ = pol.plan(st, obs)
+    assert int(pol.next_window(st)) == 60  # clipped at max_window
+    worse = P.Observation(**{**obs.__dict__, "in_hbm": obs.in_hbm & False})
+    st, _ = pol.plan(st, worse)
+    assert int(pol.next_window(st)) == 50
+
+
+def test_unlimited_refuses_to_plan():
+    with pytest.raises(ValueError, match=r"'unlimited' is a bound computed by jaxkv.cost"):
+        P.Unlimited().plan((), observation())
+
+
+def test_oracle_without_forecast_is_rejected():
+    with pytest.raises(ValueError, match=r"policy 'page' needs obs.forecast"):
+        P.Page().plan((), observation(forecast=False))
+
+
+def test_unknown_policy_lists_names():
+    with pytest.raises(ValueError, match=r"unknown policy 'belady'.*anneal-oracle.*paper-sa"):
+        P.get_policy("belady")
+
+
+def test_bad_forecast_kind():
+    with pytest.raises(ValueError, match=r"forecast must be 'ema', 'oracle' or 'learned', got 'x'"):
+        P.Anneal(forecast="x")
+
+
+def test_learned_needs_params():
+    with pytest.raises(ValueError, match=r"forecast='learned' needs learned="):
+        P.Anneal(forecast="learned")
+
+
+def test_top_capacity_breaks_ties_by_index():
+    t = P.top_capacity(jnp.zeros((1, 5)), jnp.ones((1, 5), bool), 2)
+    np.testing.assert_array_equal(t, [[True, True, False, False, False]])

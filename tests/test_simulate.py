@@ -1,0 +1,241 @@
+"""Simulator: hand-computed latencies, no policy beats unlimited, the CLI."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxkv import cli, cost
+from jaxkv import simulate as sim
+from jaxkv import trace as tr
+from jaxkv.config import AnnealConfig, HardwareProfile
+
+PROF = HardwareProfile("t", 10.0, 1.0, 1e9)  # bytes per second: HBM 10, link 1
+GEO = cost.Geometry("t", 1, 1, 1, 2, 10.0, 0.0)  # 4 bytes per token-layer, 10 bytes of weights
+
+
+def tiny_trace():
+    # prompt 3 tokens, block 1: step 0 has sealed blocks 0..2, step 1 has 0..3
+    ids = np.array([[[1, 2]], [[1, 2]]], np.int32)
+    return tr.validate(
+        dict(version=1, prompt_len=3, block_size=1, ids=ids, mass=np.ones((2, 1, 2), np.float32))
+    )
+
+
+def run(names, trace=None, **kw):
+    return sim.simulate(
+        trace or tiny_trace(),
+        names,
+        profile=PROF,
+        geometry=GEO,
+        sparsity=0.0,
+        capacity_blocks=1,
+        chunk=2,
+        progress=False,
+        **kw,
+    )["policies"]
+
+
+def test_hand_computed_static_lru_and_unlimited():
+    out = run(["static", "lru", "unlimited"])
+    # static: block 0 in HBM, reads 1, 2 from host each step: HBM (tail 4 + weights 10 + write 4)
+    # / 10 = 1.8 s vs link 8 / 1 = 8 s, twice.
+    assert out["static"]["latency_s"] == pytest.approx(16.0)
+    assert out["static"]["hbm_hit_rate"] == 0.0
+    # lru: step 0 as static; step 1 promotes block 1 (read from host at step 0: HBM write only)
+    # and drops block 0 (host keeps a copy): HBM (4 + 4 + 10 + 4 + 4) / 10 = 2.6, link 4 -> 4 s.
+    assert out["lru"]["latency_s"] == pytest.approx(12.0)
+    assert out["lru"]["hbm_hit_rate"] == pytest.approx(0.25)
+    assert out["lru"]["migrated_bytes"] == pytest.approx(8.0)
+    # unlimited: reads 8 + tail 4, fixed 14: (12 + 14) / 11 per step
+    assert out["unlimited"]["latency_s"] == pytest.approx(2 * 26 / 11, rel=1e-6)
+    assert out["static"]["speedup_vs_static"] == 1.0
+    assert out["lru"]["vs_unlimited"] == pytest.approx(12.0 / (52 / 11), rel=1e-6)
+
+
+def test_hand_computed_exclusive_demotion_cost():
+    out = run(["lru"], demote_cost=1.0)
+    # the demotion of block 0 now costs 4 bytes on each side: link 4 + 4 = 8 s at step 1
+    assert out["lru"]["latency_s"] == pytest.approx(16.0)
+
+
+def test_read_mask_takes_top_fraction_of_sealed_blocks():
+    mass = jnp.asarray([[[0.1, 0.9, 0.5, 0.7, 0.0, 3.0]]], jnp.float32)  # [1, 1, 6]
+    # prompt 5, block 1, step 0: 5 sealed blocks; s = 0.5 -> ceil(2.5) = 3 reads; block 5 unsealed
+    r = np.asarray(sim.read_mask(mass, 5, 1, 0.5, 0))
+    np.testing.assert_array_equal(r[0, 0], [False, True, True, True, False, False])
+    r = np.asarray(sim.read_mask(mass, 5, 1, 0.0, 0))  # zero mass is never read
+    np.testing.assert_array_equal(r[0, 0], [True, True, True, True, False, False])
+
+
+FAST = AnnealConfig(chains=4, max_iters=100)
+NAMES = ["static", "lru", "page", "paper-sa", "anneal", "anneal-oracle", "anneal+aw+ec"]
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    seed=st.integers(0, 2**16),
+    sparsity=st.sampled_from([0.0, 0.5, 0.8]),
+    cap=st.sampled_from([0, 5]),
+)
+def test_no_policy_beats_unlimited(seed, sparsity, cap):
+    rng = np.random.default_rng(seed)
+    steps, layers, k = 12, 2, 10
+    prompt, bs = 40, 4
+    ids = np.full((steps, layers, k), -1, np.int32)
+    for t in range(steps):
+        nb = tr.context_blocks(prompt, t, bs)
+        ids[t] = rng.integers(0, nb, (layers, k))
+    mass = rng.exponential(1.0, (steps, layers, k)).astype(np.float32)
+    trace = tr.validate(dict(version=1, prompt_len=prompt, block_size=bs, ids=ids, mass=mass))
+    res = sim.simulate(
+        trace,
+        NAMES + ["unlimited"],
+        profile=HardwareProfile.preset("gh200-paper"),
+        geometry=cost.get_geometry("paper"),
+        sparsity=sparsity,
+        capacity_blocks=cap,
+        chunk=6,
+        window=4,
+        anneal_config=FAST,
+        paper_sa_grid=((2,), (1.0,)),
+        progress=False,
+        time_plans=False,
+    )
+    unl = res["policies"]["unlimited"]["latency_s"]
+    assert res["bounds"]["capacity_s"] >= unl * (1 - 1e-6)
+    for name in NAMES:
+        v = res["policies"][name]
+        assert v["latency_s"] >= unl * (1 - 1e-6), name
+        assert v["latency_s"] >= res["bounds"]["capacity_s"] * (1 - 1e-5), name
+        assert 0.0 <= v["hbm_hit_rate"] <= 1.0
+
+
+def test_cli_json(capsys):
+    rc = cli.main(
+        [
+            "simulate",
+            "--trace",
+            "synthetic:patterns",
+            "--prompt-len",
+            "300",
+            "--steps",
+            "30",
+            "--layers",
+            "2",
+            "--geometry",
+            "paper",
+            "--capacity-blocks",
+            "8",
+            "--policies",
+            "static,lru,unlimited",
+            "--json",
+            "--no-progress",
+            "--chunk",
+            "15",
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    keys = {
+        "latency_s",
+        "tokens_per_s",
+        "speedup_vs_static",
+        "vs_unlimited",
+        "hbm_hit_rate",
+        "migrated_bytes",
+        "plan_seconds",
+    }
+    assert set(out["policies"]) == {"static", "lru", "unlimited"}
+    for v in out["policies"].values():
+        assert set(v) == keys
+
+
+def test_cli_table(capsys):
+    rc = cli.main(
+        [
+            "simulate",
+            "--trace",
+            "synthetic:recency-low",
+            "--prompt-len",
+            "200",
+            "--steps",
+            "10",
+            "--layers",
+            "1",
+            "--policies",
+            "static,unlimited",
+            "--no-progress",
+            "--chunk",
+            "10",
+        ]
+    )
+    assert rc == 0
+    assert "static" in capsys.readouterr().out
+
+
+def test_cli_unknown_profile_lists_names(capsys):
+    assert cli.main(["simulate", "--profile", "tpu", "--no-progress"]) == 2
+    assert "unknown hardware profile 'tpu'" in capsys.readouterr().err
+
+
+def test_cli_unknown_policy_lists_names(capsys):
+    rc = cli.main(
+        [
+            "simulate",
+            "--policies",
+            "static,belady",
+            "--prompt-len",
+            "50",
+            "--steps",
+            "4",
+            "--layers",
+            "1",
+            "--no-progress",
+        ]
+    )
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "unknown policy 'belady'" in err and "anneal-oracle" in err
+
+
+def test_unknown_modifier():
+    with pytest.raises(ValueError, match=r"unknown modifier 'xx'; expected 'aw' or 'ec'"):
+        run(["anneal+xx"])
+
+
+def test_modifier_on_wrong_policy():
+    with pytest.raises(ValueError, match=r"modifiers \+aw/\+ec apply to anneal"):
+        run(["lru+aw"])
+
+
+def test_bad_sparsity():
+    with pytest.raises(ValueError, match=r"sparsity must lie in \[0, 1\), got 1.5"):
+        sim.simulate(tiny_trace(), ["static"], profile=PROF, geometry=GEO, sparsity=1.5)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=False,
+    reason="measured on H200 (bench/RESULTS.md): Reactive == Page at block 16 (5.025 s each) and "
+    "Page (16-token pages) > Reactive at block 1 (11.23 vs 5.02 s): with the paper's 24 GB the "
+    "HBM pool holds more than one step's reads, so LRU's promote-on-miss already keeps them",
+)
+@pytest.mark.parametrize("block_size", [16, 1])
+def test_paper_shape_at_60_percent(block_size):
+    """Static > Reactive > Page > paper-sa >= Unlimited on a paper-sized synthetic trace."""
+    trace = tr.SyntheticTrace("recency-low", 31_299, 2_048, 32, block_size)
+    res = sim.simulate(
+        trace,
+        ["static", "lru", "page", "paper-sa", "unlimited"],
+        profile=HardwareProfile.preset("gh200-paper"),
+        geometry=cost.get_geometry("paper"),
+        sparsity=0.6,
+        chunk=64 if block_size == 1 else 128,
+        progress=False,
+    )["policies"]
+    lat = [res[n]["latency_s"] for n in ["static", "lru", "page", "paper-sa", "unlimited"]]
+    assert lat[0] > lat[1] > lat[2] > lat[3] >= lat[4], lat

@@ -1,0 +1,125 @@
+"""Trace format: round trip, one test per validation message, synthetic generators."""
+
+import numpy as np
+import pytest
+
+from jaxkv import trace as tr
+
+
+def fields(**over):
+    ids = np.array([[[0, 1, -1]], [[2, 0, 1]]], np.int32)  # [steps=2, layers=1, K=3]
+    mass = np.array([[[0.5, 0.5, 0.0]], [[0.2, 0.3, 0.5]]], np.float32)
+    f = dict(
+        version=np.int64(1), prompt_len=np.int64(2), block_size=np.int64(1), ids=ids, mass=mass
+    )
+    f.update(over)
+    return f
+
+
+def test_round_trip(tmp_path):
+    t = tr.validate(fields())
+    tr.save(tmp_path / "t.npz", t)
+    u = tr.load(tmp_path / "t.npz")
+    np.testing.assert_array_equal(u.ids, t.ids)
+    np.testing.assert_array_equal(u.mass_values, t.mass_values)
+    assert (u.prompt_len, u.block_size, u.steps, u.num_layers, u.num_blocks) == (2, 1, 2, 1, 4)
+    dense = np.asarray(u.mass(0, 3))  # one step past the end is zero
+    np.testing.assert_allclose(dense[0, 0], [0.5, 0.5, 0.0, 0.0])
+    np.testing.assert_allclose(dense[1, 0], [0.3, 0.5, 0.2, 0.0])
+    assert dense[2].sum() == 0
+
+
+def test_missing_field():
+    f = fields()
+    del f["mass"]
+    with pytest.raises(ValueError, match=r"missing field 'mass'"):
+        tr.validate(f)
+
+
+def test_wrong_mass_shape():
+    with pytest.raises(ValueError, match=r"field 'mass' has shape \(2, 1\), expected the shape"):
+        tr.validate(fields(mass=np.zeros((2, 1), np.float32)))
+
+
+def test_wrong_ids_rank():
+    with pytest.raises(ValueError, match=r"field 'ids' has shape \(3,\), expected \[steps"):
+        tr.validate(fields(ids=np.zeros(3, np.int32), mass=np.zeros(3, np.float32)))
+
+
+def test_float_ids():
+    with pytest.raises(ValueError, match=r"field 'ids' has dtype float32"):
+        tr.validate(fields(ids=np.zeros((2, 1, 3), np.float32)))
+
+
+def test_negative_id():
+    ids = np.array([[[0, -3, -1]], [[2, 0, 1]]], np.int32)
+    with pytest.raises(ValueError, match=r"field 'ids' has id -3, expected >= 0"):
+        tr.validate(fields(ids=ids))
+
+
+def test_id_beyond_context():
+    ids = np.array([[[0, 3, -1]], [[2, 0, 1]]], np.int32)  # step 0 has 3 blocks
+    with pytest.raises(ValueError, match=r"'ids' has id 3 at step 0, layer 0, beyond the context"):
+        tr.validate(fields(ids=ids))
+
+
+def test_nan_mass():
+    mass = np.full((2, 1, 3), np.nan, np.float32)
+    with pytest.raises(ValueError, match=r"field 'mass' has NaN or infinite values"):
+        tr.validate(fields(mass=mass))
+
+
+def test_negative_mass():
+    mass = np.full((2, 1, 3), -1.0, np.float32)
+    with pytest.raises(ValueError, match=r"field 'mass' has value -1.0, expected >= 0"):
+        tr.validate(fields(mass=mass))
+
+
+def test_bad_version():
+    with pytest.raises(ValueError, match=r"field 'version' is 2, expected 1"):
+        tr.validate(fields(version=np.int64(2)))
+
+
+def test_bad_block_size():
+    with pytest.raises(ValueError, match=r"field 'block_size' is 0, expected >= 1"):
+        tr.validate(fields(block_size=np.int64(0)))
+
+
+def test_bad_prompt_len():
+    with pytest.raises(ValueError, match=r"field 'prompt_len' is -1, expected >= 0"):
+        tr.validate(fields(prompt_len=np.int64(-1)))
+
+
+def test_unknown_synthetic_kind_lists_kinds():
+    with pytest.raises(ValueError, match=r"unknown synthetic trace 'zipf'.*recency-low"):
+        tr.parse_spec("synthetic:zipf", prompt_len=10, steps=2, num_layers=1, block_size=1)
+
+
+@pytest.mark.parametrize("kind", tr.SYNTHETIC_KINDS)
+def test_synthetic_is_deterministic_and_causal(kind):
+    t = tr.SyntheticTrace(kind, prompt_len=100, steps=20, num_layers=2, block_size=4, seed=3)
+    a, b = np.asarray(t.mass(5, 10)), np.asarray(t.mass(5, 10))
+    np.testing.assert_array_equal(a, b)
+    assert np.all(np.isfinite(a)) and np.all(a >= 0)
+    for i in range(10):  # zero beyond each step's context
+        assert a[i, :, tr.context_blocks(100, 5 + i, 4) :].sum() == 0
+    # a window computed alone equals the same steps of a longer one
+    np.testing.assert_allclose(np.asarray(t.mass(0, 15))[5:], a[:10])
+    other = np.asarray(tr.SyntheticTrace(kind, 100, 20, 2, 4, seed=4).mass(5, 10))
+    assert not np.array_equal(a, other)
+
+
+def test_synthetic_dynamics_match_their_descriptions():
+    low, high = (
+        tr.read_stats(tr.SyntheticTrace(k, 4000, 120, 2, 16), 0.6)
+        for k in ("recency-low", "recency-high")
+    )
+    assert 0.05 < low["swap_per_step"] < 0.2  # "about 10% of the set swapped per step"
+    assert high["swap_per_step"] > 3 * low["swap_per_step"]
+
+
+def test_to_file_trace_round_trips_synthetic(tmp_path):
+    s = tr.SyntheticTrace("patterns", prompt_len=40, steps=6, num_layers=2, block_size=8)
+    f = tr.to_file_trace(s)
+    tr.save(tmp_path / "p.npz", f)
+    np.testing.assert_allclose(tr.load(tmp_path / "p.npz").mass(0, 6), s.mass(0, 6), rtol=1e-6)
