@@ -78,15 +78,12 @@ def main(argv=None) -> int:
     results = {}
     base = {}
     for name, frac, placement in runs:
-        cfg = CacheConfig(
-            num_layers=mc.num_layers,
-            kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
+        cfg = CacheConfig.for_model(
+            mc,
             batch=args.batch,
             max_len=args.prompt_len + args.steps + 8,
             block_size=args.block_size,
             hbm_capacity=frac,
-            dtype=mc.dtype,
         )
         dec = Decoder(model, cfg, placement, max_new_tokens=args.steps + 6, profile=args.profile)
         per_step, s = time_steps(dec, params, prompt, args.steps)

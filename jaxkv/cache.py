@@ -368,9 +368,9 @@ def migrate(cache: TieredKVCache, moves: Moves) -> tuple[TieredKVCache, jax.Arra
     """Applies `moves`: per layer all demotions (HBM -> host), then promotions (host -> HBM).
 
     Contents are copied bit for bit; table and free masks are updated. When HBM has no free slot
-    for a promotion it swaps with the resident sealed block of the lowest flat index that is not
-    itself being promoted (use `plan_moves` to control which blocks leave). Entries that no longer
-    apply (a block already in the destination tier, or not sealed) are skipped.
+    for a promotion it first demotes the resident sealed block of the lowest flat index (use
+    `plan_moves` to control which blocks leave). Entries that no longer apply (a block already in
+    the destination tier, or not sealed) are skipped.
 
     Returns:
       (new cache, [layers] int32 number of blocks actually moved).
@@ -380,64 +380,39 @@ def migrate(cache: TieredKVCache, moves: Moves) -> tuple[TieredKVCache, jax.Arra
     N = c.batch * M
     sealed = cache.sealed.reshape(L, N)
 
-    def demote_one(layer, n, carry):
+    def move_one(layer, n, carry, to_hbm: bool):
+        """Moves flat block n of `layer` to the other tier (skipped if it does not apply)."""
         cache, count = carry
         b, j = n // M, n % M
-        applies = sealed[layer, n] & (cache.tier[layer, b, j] == TIER_HBM)
+        src_tier, dst_tier = (TIER_HOST, TIER_HBM) if to_hbm else (TIER_HBM, TIER_HOST)
+        applies = sealed[layer, n] & (cache.tier[layer, b, j] == src_tier)
+        if to_hbm:  # no room: swap out the first resident sealed block
+            resident = (cache.tier[layer] == TIER_HBM).reshape(-1) & sealed[layer]
+            victim = jnp.argmax(resident).astype(jnp.int32)
+            need_swap = applies & ~jnp.any(cache.hbm_free[layer]) & jnp.any(resident)
+            cache, count = jax.lax.cond(
+                need_swap,
+                lambda cc: move_one(layer, victim, cc, False),
+                lambda cc: cc,
+                (cache, count),
+            )
         src = cache.slot[layer, b, j]
-        dst, has_room = _first_free(cache.host_free[layer])
+        dst, has_room = _first_free((cache.hbm_free if to_hbm else cache.host_free)[layer])
 
         def do(cache):
-            host_k, host_v = _copy_block(
-                cache.hbm_k,
-                cache.hbm_v,
-                cache.host_k,
-                cache.host_v,
-                layer,
-                src,
-                dst,
-                c.host_memory_kind,
-            )
+            hbm, host = (cache.hbm_k, cache.hbm_v), (cache.host_k, cache.host_v)
+            src_pool, dst_pool = (host, hbm) if to_hbm else (hbm, host)
+            kind = HBM_KIND if to_hbm else c.host_memory_kind
+            nk, nv = _copy_block(*src_pool, *dst_pool, layer, src, dst, kind)
+            hbm_slot, host_slot = (dst, src) if to_hbm else (src, dst)
+            pools = dict(hbm_k=nk, hbm_v=nv) if to_hbm else dict(host_k=nk, host_v=nv)
             return replace(
                 cache,
-                host_k=host_k,
-                host_v=host_v,
-                tier=cache.tier.at[layer, b, j].set(TIER_HOST),
+                **pools,
+                tier=cache.tier.at[layer, b, j].set(dst_tier),
                 slot=cache.slot.at[layer, b, j].set(dst),
-                hbm_free=cache.hbm_free.at[layer, src].set(True),
-                host_free=cache.host_free.at[layer, dst].set(False),
-            )
-
-        go = applies & has_room
-        return jax.lax.cond(go, do, lambda cc: cc, cache), count + go
-
-    def promote_one(layer, n, carry):
-        cache, count = carry
-        b, j = n // M, n % M
-        applies = sealed[layer, n] & (cache.tier[layer, b, j] == TIER_HOST)
-        _, has_free = _first_free(cache.hbm_free[layer])
-        # no room: swap out the first resident sealed block
-        resident = (cache.tier[layer] == TIER_HBM).reshape(-1) & sealed[layer]
-        victim = jnp.argmax(resident).astype(jnp.int32)
-        need_swap = applies & ~has_free & jnp.any(resident)
-        cache, count = jax.lax.cond(
-            need_swap, lambda cc: demote_one(layer, victim, cc), lambda cc: cc, (cache, count)
-        )
-        dst, has_room = _first_free(cache.hbm_free[layer])
-        src = cache.slot[layer, b, j]
-
-        def do(cache):
-            hbm_k, hbm_v = _copy_block(
-                cache.host_k, cache.host_v, cache.hbm_k, cache.hbm_v, layer, src, dst, HBM_KIND
-            )
-            return replace(
-                cache,
-                hbm_k=hbm_k,
-                hbm_v=hbm_v,
-                tier=cache.tier.at[layer, b, j].set(TIER_HBM),
-                slot=cache.slot.at[layer, b, j].set(dst),
-                hbm_free=cache.hbm_free.at[layer, dst].set(False),
-                host_free=cache.host_free.at[layer, src].set(True),
+                hbm_free=cache.hbm_free.at[layer, hbm_slot].set(not to_hbm),
+                host_free=cache.host_free.at[layer, host_slot].set(to_hbm),
             )
 
         go = applies & has_room
@@ -449,13 +424,13 @@ def migrate(cache: TieredKVCache, moves: Moves) -> tuple[TieredKVCache, jax.Arra
         carry = jax.lax.fori_loop(
             0,
             moves.num_demote[layer],
-            lambda i, cc, layer=layer: demote_one(layer, moves.demote[layer, i], cc),
+            lambda i, cc, layer=layer: move_one(layer, moves.demote[layer, i], cc, False),
             carry,
         )
         carry = jax.lax.fori_loop(
             0,
             moves.num_promote[layer],
-            lambda i, cc, layer=layer: promote_one(layer, moves.promote[layer, i], cc),
+            lambda i, cc, layer=layer: move_one(layer, moves.promote[layer, i], cc, True),
             carry,
         )
         cache, n = carry

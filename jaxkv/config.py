@@ -89,6 +89,23 @@ class CacheConfig:
                 f"tokens ({self.total_blocks} blocks of {self.block_size})"
             )
 
+    @classmethod
+    def for_model(cls, model_config, **kwargs) -> CacheConfig:
+        """A CacheConfig with a model's geometry and dtype.
+
+        Args:
+          model_config: any object with num_layers, num_kv_heads, head_dim and dtype (e.g.
+            `models.LlamaConfig`).
+          **kwargs: the other CacheConfig fields (batch, max_len, block_size, capacities, ...).
+        """
+        geometry = dict(
+            num_layers=model_config.num_layers,
+            kv_heads=model_config.num_kv_heads,
+            head_dim=model_config.head_dim,
+            dtype=str(model_config.dtype),
+        )
+        return cls(**{**geometry, **kwargs})
+
     def _blocks(self, name: str, spec) -> int:
         if isinstance(spec, bool):
             raise ValueError(f"{name} must be an int (blocks) or a float fraction, got {spec!r}")

@@ -80,15 +80,12 @@ def run_demo(
         file=sys.stderr,
     )
     for name, frac, policy in runs:
-        cfg = CacheConfig(
-            num_layers=mc.num_layers,
-            kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
+        cfg = CacheConfig.for_model(
+            mc,
             batch=1,
             max_len=prompt_len + new_tokens,
             block_size=block_size,
             hbm_capacity=frac,
-            dtype=mc.dtype,
         )
         placement = PlacementConfig(policy=policy, window=window, attention=attention)
         dec = Decoder(model, cfg, placement, max_new_tokens=new_tokens, profile=profile)

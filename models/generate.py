@@ -70,15 +70,12 @@ def generate_text(
             f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {max_len} exceeds "
             f"the model's max_seq_len={mc.max_seq_len}"
         )
-    cfg = CacheConfig(
-        num_layers=mc.num_layers,
-        kv_heads=mc.num_kv_heads,
-        head_dim=mc.head_dim,
+    cfg = CacheConfig.for_model(
+        mc,
         batch=1,
         max_len=max_len,
         block_size=16,
         hbm_capacity=hbm_fraction,
-        dtype=mc.dtype,
     )
     sampler = Greedy() if temperature == 0 else Sampling(temperature, top_k, top_p)
     eos = None

@@ -64,15 +64,12 @@ def record_trace(
             f"prompt ({len(prompt_ids)} tokens) + steps ({steps}) exceeds the model's "
             f"max_seq_len={mc.max_seq_len}"
         )
-    cfg = CacheConfig(
-        num_layers=mc.num_layers,
-        kv_heads=mc.num_kv_heads,
-        head_dim=mc.head_dim,
+    cfg = CacheConfig.for_model(
+        mc,
         batch=1,
         max_len=max_len,
         block_size=block_size,
         hbm_capacity=1.0,
-        dtype=mc.dtype,
     )
     if sparsity == 0.0:
         placement = PlacementConfig(policy="static", attention="exact", window=1 << 20)

@@ -78,3 +78,12 @@ def test_measure_returns_positive_bandwidths():
 def test_error_host_memory_kind():
     with pytest.raises(ValueError, match=r"host_memory_kind must be one of .* got 'hbm'"):
         CacheConfig(**GEOM, host_memory_kind="hbm")
+
+
+def test_for_model_takes_geometry_and_dtype():
+    from models import tiny_config
+
+    mc = tiny_config(dtype="bfloat16")
+    c = CacheConfig.for_model(mc, max_len=128, hbm_capacity=0.5)
+    assert (c.num_layers, c.kv_heads, c.head_dim, c.dtype) == (2, 2, 16, "bfloat16")
+    assert c.max_len == 128 and c.hbm_blocks == 4

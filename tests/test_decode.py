@@ -14,10 +14,8 @@ NEW = 24
 
 def _cfg(model, *, hbm, block_size=8, max_len=96, batch=2):
     mc = model.config
-    return CacheConfig(
-        num_layers=mc.num_layers,
-        kv_heads=mc.num_kv_heads,
-        head_dim=mc.head_dim,
+    return CacheConfig.for_model(
+        mc,
         batch=batch,
         max_len=max_len,
         block_size=block_size,
@@ -229,10 +227,8 @@ def _pallas_run(impl, host_memory_kind):
     model = tiny_model(0, dtype="bfloat16")
     params = nnx.split(model)[1]
     mc = model.config
-    cfg = CacheConfig(
-        num_layers=mc.num_layers,
-        kv_heads=mc.num_kv_heads,
-        head_dim=mc.head_dim,
+    cfg = CacheConfig.for_model(
+        mc,
         batch=2,
         max_len=64,
         block_size=16,
