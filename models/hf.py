@@ -1,0 +1,316 @@
+"""Load (and save) Hugging Face Llama-family checkpoints from a local folder. Nothing is
+downloaded.
+
+Supported: ``LlamaForCausalLM`` (Llama 2 / 3 / 3.1 / 3.2, rope_scaling "llama3" or "linear"),
+``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (qkv bias), tied or untied embeddings, one
+``model.safetensors`` or shards with ``model.safetensors.index.json``. Both config styles are
+read: ``rope_theta`` + ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.llama import Llama, LlamaConfig, RopeScaling
+from models.safetensors_io import SafetensorsFile, save_file
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ValueError(f"{path}: file not found (expected a Hugging Face checkpoint folder)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _architecture(cfg: dict, path: Path) -> str:
+    archs = cfg.get("architectures") or []
+    for a in archs:
+        if a in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[a]
+    if not archs and cfg.get("model_type") in SUPPORTED_ARCHITECTURES.values():
+        return cfg["model_type"]
+    raise ValueError(
+        f"{path}: unsupported architecture {archs or cfg.get('model_type')!r}: expected one of "
+        f"{sorted(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _rope(cfg: dict, path: Path) -> tuple[float, RopeScaling | None]:
+    params = cfg.get("rope_parameters")
+    if params is None:  # transformers 4 style
+        theta = float(cfg.get("rope_theta", 10000.0))
+        params = cfg.get("rope_scaling")
+    else:
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if not params:
+        return theta, None
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind == "linear":
+        return theta, RopeScaling(factor=float(params["factor"]), rope_type="linear")
+    if kind == "llama3":
+        return theta, RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    raise ValueError(
+        f"{path}: unsupported rope type {kind!r}: expected 'default', 'linear' or 'llama3'"
+    )
+
+
+def config_from_hf(cfg: dict, *, dtype: str = "float32", path: str = "config.json") -> LlamaConfig:
+    """Translate a Hugging Face ``config.json`` dict into a :class:`LlamaConfig`."""
+    p = Path(path)
+    arch = _architecture(cfg, p)
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{p}: hidden_act={act!r}: expected 'silu' (SwiGLU)")
+    missing = [
+        k
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+        )
+        if k not in cfg
+    ]
+    if missing:
+        raise ValueError(f"{p}: missing config keys {missing}")
+    heads = int(cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    theta, scaling = _rope(cfg, p)
+    sliding = None
+    if arch == "mistral":
+        sliding = cfg.get("sliding_window")
+    elif arch == "qwen2" and cfg.get("use_sliding_window"):
+        raise ValueError(f"{p}: Qwen2 use_sliding_window=true is not supported: expected false")
+    attention_bias = bool(cfg.get("attention_bias", False))
+    return LlamaConfig(
+        vocab_size=int(cfg["vocab_size"]),
+        dim=int(cfg["hidden_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        ffn_dim=int(cfg["intermediate_size"]),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "qwen2" or attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
+        dtype=dtype,
+        sliding_window=int(sliding) if sliding else None,
+    )
+
+
+def load_config(path: str | os.PathLike, *, dtype: str = "float32") -> LlamaConfig:
+    """The :class:`LlamaConfig` of the checkpoint folder ``path`` (its config.json)."""
+    file = Path(path) / "config.json"
+    return config_from_hf(_read_json(file), dtype=dtype, path=str(file))
+
+
+def hf_name(path: tuple) -> tuple[str, bool]:
+    """Our parameter path -> (Hugging Face tensor name, whether the weight is transposed)."""
+    if path == ("embed",):
+        return "model.embed_tokens.weight", False
+    if path == ("lm_head",):
+        return "lm_head.weight", True
+    if path == ("final_norm", "weight"):
+        return "model.norm.weight", False
+    _, i, *rest = path
+    pre = f"model.layers.{i}"
+    if rest == ["attn_norm", "weight"]:
+        return f"{pre}.input_layernorm.weight", False
+    if rest == ["mlp_norm", "weight"]:
+        return f"{pre}.post_attention_layernorm.weight", False
+    part, proj, kind = rest
+    sub = "self_attn" if part == "attn" else "mlp"
+    return f"{pre}.{sub}.{proj}_proj.{'weight' if kind == 'w' else 'bias'}", kind == "w"
+
+
+def _open_shards(folder: Path) -> dict[str, SafetensorsFile]:
+    """Tensor name -> the file that holds it."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: missing 'weight_map'")
+        files = {}
+        for fname in sorted(set(weight_map.values())):
+            f = folder / fname
+            if not f.is_file():
+                raise ValueError(f"{f}: file not found (listed in {index.name})")
+            files[fname] = SafetensorsFile(f)
+        out = {}
+        for name, fname in weight_map.items():
+            if name not in files[fname].entries:
+                raise ValueError(
+                    f"{folder / fname}: tensor {name!r} listed in {index.name} is not in the file"
+                )
+            out[name] = files[fname]
+        return out
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise ValueError(
+            f"{folder}: no *.safetensors file found (expected model.safetensors or shards with "
+            "model.safetensors.index.json)"
+        )
+    out = {}
+    for f in shards:
+        sf = SafetensorsFile(f)
+        out.update({name: sf for name in sf.entries})
+    return out
+
+
+def load_pretrained(path: str | os.PathLike, *, dtype: str = "float32") -> Llama:
+    """Load the checkpoint folder ``path`` into a :class:`Llama` with parameters in ``dtype``.
+
+    Raises:
+        ValueError: a missing file or tensor, an unsupported architecture, a tensor whose shape
+            disagrees with config.json, a truncated or corrupt safetensors file, or unexpected
+            tensors (a checkpoint of another architecture); the message names the file/tensor.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: not a directory (expected a Hugging Face checkpoint folder)")
+    config = load_config(folder, dtype=dtype)
+    tensors = _open_shards(folder)
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    target = jnp.dtype(dtype)
+    used = set()
+    flat = []
+    for p, var in nnx.to_flat_state(state):
+        name, transpose = hf_name(p)
+        if name not in tensors:
+            raise ValueError(f"{folder}: tensor {name!r} not found in the checkpoint")
+        file = tensors[name]
+        expected = var.shape[::-1] if transpose else var.shape
+        if file.shape(name) != tuple(expected):
+            raise ValueError(
+                f"{file.path}: tensor {name!r} has shape {file.shape(name)}: expected "
+                f"{tuple(expected)} from config.json"
+            )
+        a = np.asarray(file.get(name))
+        a = a.T if transpose else a
+        used.add(name)
+        flat.append((p, var.replace(jnp.asarray(a.astype(target)))))
+    unexpected = sorted(
+        n
+        for n in tensors
+        if n not in used
+        and not n.endswith(_IGNORED_SUFFIXES)
+        and not (config.tie_embeddings and n == "lm_head.weight")
+    )
+    if unexpected:
+        raise ValueError(
+            f"{folder}: unexpected tensors {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+            f" ({len(unexpected)}): expected only those of a {type(abstract).__name__} with this "
+            "config.json"
+        )
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The ``tokenizers.Tokenizer`` of the folder ``path`` (its tokenizer.json)."""
+    from tokenizers import Tokenizer
+
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        raise ValueError(f"{file}: file not found (expected a tokenizer.json)")
+    return Tokenizer.from_file(str(file))
+
+
+def eos_token_ids(path: str | os.PathLike) -> tuple[int, ...]:
+    """EOS token ids from generation_config.json, else config.json (may be empty)."""
+    folder = Path(path)
+    for fname in ("generation_config.json", "config.json"):
+        f = folder / fname
+        if f.is_file():
+            eos = _read_json(f).get("eos_token_id")
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return ()
+
+
+def hf_config_dict(config: LlamaConfig, **extra: Any) -> dict:
+    """A transformers-readable ``config.json`` dict (LlamaForCausalLM) for ``config``."""
+    if config.qkv_bias != config.o_bias or config.sliding_window is not None:
+        raise ValueError(
+            "hf_config_dict: qkv_bias without o_bias (Qwen2) or a sliding window (Mistral) "
+            "cannot be written as LlamaForCausalLM"
+        )
+    rs = config.rope_scaling
+    out = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.dim,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.ffn_dim,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None
+        if rs is None
+        else {
+            "rope_type": rs.rope_type,
+            "factor": rs.factor,
+            "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings,
+        },
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_bias": config.qkv_bias,
+        "mlp_bias": config.mlp_bias,
+        "max_position_embeddings": config.max_seq_len,
+        "hidden_act": "silu",
+        "torch_dtype": config.dtype,
+    }
+    out.update(extra)
+    return out
+
+
+def save_pretrained(model: Llama, path: str | os.PathLike, *, tokenizer=None, **extra) -> None:
+    """Write ``model`` as a Hugging Face Llama checkpoint folder (config.json,
+    model.safetensors, and tokenizer.json when ``tokenizer`` is given); ``extra`` goes into
+    config.json (e.g. ``eos_token_id``)."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config_dict(model.config, **extra)
+    tensors = {}
+    for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, transpose = hf_name(p)
+        a = np.asarray(jax.device_get(var[...]))
+        tensors[name] = np.ascontiguousarray(a.T if transpose else a)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save(str(folder / "tokenizer.json"))
