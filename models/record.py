@@ -112,6 +112,9 @@ def save_atomic(path: str | os.PathLike, trace: kvtrace.FileTrace) -> None:
     os.close(fd)
     try:
         kvtrace.save(tmp, trace)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give it a normal file's mode
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
