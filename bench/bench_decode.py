@@ -21,6 +21,7 @@ from jaxkv.config import CacheConfig, PlacementConfig
 from jaxkv.decode import Decoder, summarize
 from models.default import default_model
 from models.demo import encode_prompt
+from models.tiny import tiny_model
 
 
 def time_steps(dec, params, prompt, steps: int, warmup: int = 4) -> tuple[float, dict]:
@@ -43,10 +44,19 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--profile", default="gh200")
+    ap.add_argument(
+        "--model",
+        choices=("default", "tiny"),
+        default="default",
+        help="the shipped default model, or the tiny random-init test model",
+    )
     ap.add_argument("--json", default=None, help="write results to this path")
     args = ap.parse_args(argv)
 
-    model, tokenizer = default_model()
+    if args.model == "tiny":
+        model, tokenizer = tiny_model(0), None
+    else:
+        model, tokenizer = default_model()
     mc = model.config
     _, params = nnx.split(model)
     prompt = np.stack([encode_prompt(model, tokenizer, args.prompt_len)] * args.batch)
