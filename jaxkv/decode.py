@@ -174,9 +174,7 @@ class Decoder:
         """Builds the placement policy, filling in what it models from this decoder's geometry
         (hardware profile, block bytes, weight bytes, window, migration budget)."""
         c, p = self.cache_config, self.placement
-        cls = POLICIES.get(p.policy)
-        if cls is None:
-            raise ValueError(f"unknown policy {p.policy!r}; expected one of {sorted(POLICIES)}")
+        cls = POLICIES.get(p.policy) or get_policy(p.policy)  # get_policy names valid ones
         known = (
             {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
         )
