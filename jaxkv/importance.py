@@ -103,7 +103,7 @@ def ema_forecast(read_ema, last_read, step, valid, wmax: int, window=None, recen
       [wmax, layers, N] float32.
     """
     t = jnp.arange(wmax, dtype=jnp.float32)[:, None, None]
-    just = (last_read == step - 1).astype(jnp.float32)[None]
+    just = ((last_read == step - 1) & (last_read >= 0)).astype(jnp.float32)[None]
     p = read_ema[None] + recency * just * (READ_DECAY ** (t + 1)) * (1.0 - read_ema[None])
     p = jnp.where(valid[None], jnp.clip(p, 0.0, 1.0), 0.0)
     if window is not None:

@@ -37,6 +37,9 @@ class Observation:
     step: jax.Array  # [] int32: current decode step
     forecast: jax.Array | None = None  # [W, layers, N] float32: P(block read at step t), if known
     window_reads: jax.Array | None = None  # [layers, N] float32: reads since the last plan, if kept
+    forecast_mass: jax.Array | None = (
+        None  # [W, layers, N] float32: future attention mass, if known
+    )
     capacity: int = static_field(default=0)  # HBM pool slots per layer
 
 
@@ -147,11 +150,15 @@ class Page:
     def plan(self, state, obs: Observation):
         _require_forecast(self, obs)
         g, n = self.page_blocks, obs.valid.shape[-1]
-        nxt = _pages(obs.forecast[0] * obs.valid, g, jnp.sum)
+        nxt = _pages(obs.forecast[0] * obs.valid, g, jnp.sum) > 0
         res = _pages(obs.in_hbm.astype(jnp.float32), g, jnp.mean)
-        rec = _pages(obs.last_read.astype(jnp.float32), g, jnp.max)
-        score = 4.0 * nxt + 2.0 * res + rec / (1.0 + jnp.max(rec))
-        any_valid = _pages(obs.valid, g, jnp.any)
+        if obs.forecast_mass is not None:
+            imp_ = _pages(obs.forecast_mass[0] * obs.valid, g, jnp.sum)
+        else:
+            imp_ = _pages(obs.last_read.astype(jnp.float32), g, jnp.max)
+        imp_ = imp_ / (1.0 + jnp.max(imp_, axis=-1, keepdims=True))
+        score = jnp.where(nxt, 4.0, 0.0) + 2.0 * res + imp_
+        any_valid = _pages(obs.valid, g, jnp.any) & (nxt | (res > 0))
         pages = top_capacity(score, any_valid, obs.capacity // g)
         return state, _unpage(pages, g, n) & obs.valid
 
@@ -323,7 +330,9 @@ class Anneal:
         a = a * active[:, None, None]
         # A promoted block read at this step crosses the link once (the read) and is written to
         # HBM; one read from host at the last step only needs the HBM write (its copy is kept).
-        piggyback = ((obs.last_read == obs.step - 1) & ~obs.in_hbm).astype(jnp.float32)
+        piggyback = ((obs.last_read == obs.step - 1) & (obs.last_read >= 0) & ~obs.in_hbm).astype(
+            jnp.float32
+        )
         a0 = jnp.clip(a[0], 0.0, 1.0)
         problem = anneal.AnnealProblem(
             forecast=jnp.swapaxes(a, 0, 1),

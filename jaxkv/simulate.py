@@ -154,7 +154,7 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0):
       chunk: steps in this chunk (static).
       state: SimState (accumulators are reset here).
       reads_buf: [chunk + H, layers, N] bool, reads of these steps and the next H >= horizon.
-      mass: [chunk, layers, N] float32, attention mass of these steps.
+      mass: [chunk + H, layers, N] float32, attention mass of these steps and the next H.
       t0: [] int32.
     Returns:
       SimState.
@@ -181,10 +181,11 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0):
 
         def plan(args):
             in_hbm, stats, pstate = args
-            fc = None
+            fc = fm = None
             if needs:
                 fc = jax.lax.dynamic_slice(reads_buf, (c, 0, 0), (horizon, L, N))
                 fc = fc.astype(jnp.float32)
+                fm = jax.lax.dynamic_slice(mass, (c, 0, 0), (horizon, L, N))
             obs = Observation(
                 in_hbm=in_hbm,
                 valid=valid,
@@ -193,6 +194,7 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0):
                 mass_ema=stats.mass_ema,
                 step=t,
                 forecast=fc,
+                forecast_mass=fm,
                 window_reads=stats.window_reads,
                 capacity=s.capacity,
             )
@@ -200,7 +202,7 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0):
             target = target & valid
             pro = target & ~in_hbm
             dem = in_hbm & ~target
-            piggy = (stats.last_read == t - 1) & ~in_hbm
+            piggy = (stats.last_read == t - 1) & (stats.last_read >= 0) & ~in_hbm
             mig_h = b * (jnp.sum(pro, -1) + s.demote_cost * jnp.sum(dem, -1))
             # a block promoted while this step reads it is read over the link once and written
             # to HBM: no separate link transfer, and its read is a host read
@@ -330,8 +332,13 @@ def _expand(names, grid):
     out = []
     for n in names:
         if n == "paper-sa":
-            out += [f"paper-sa[{w},{r}]" for w in grid[0] for r in grid[1]]
-        elif n != "unlimited":
+            out += [
+                f"paper-sa[{w},{r}]"
+                for w in grid[0]
+                for r in grid[1]
+                if f"paper-sa[{w},{r}]" not in out
+            ]
+        elif n != "unlimited" and n not in out:
             out.append(n)
     return out
 
@@ -346,15 +353,16 @@ def _time_plan(policy, state: SimState, setup: Setup, reads_buf, t, repeats: int
     st = state.stats
     fc = reads_buf[:h].astype(jnp.float32) if getattr(policy, "needs_forecast", False) else None
     obs = Observation(
-        state.in_hbm,
-        valid,
-        st.last_read,
-        st.read_ema,
-        st.mass_ema,
-        jnp.int32(t),
-        fc,
-        st.window_reads,
-        setup.capacity,
+        in_hbm=state.in_hbm,
+        valid=valid,
+        last_read=st.last_read,
+        read_ema=st.read_ema,
+        mass_ema=st.mass_ema,
+        step=jnp.int32(t),
+        forecast=fc,
+        window_reads=st.window_reads,
+        forecast_mass=None if fc is None else jnp.zeros_like(fc),
+        capacity=setup.capacity,
     )
     fn = jax.jit(lambda p, o: policy.plan(p, o))
     jax.block_until_ready(fn(state.pstate, obs))
@@ -466,7 +474,7 @@ def simulate(
         unl, capb = unl + float(u), capb + float(cb)
         for n in names:
             w0 = time.perf_counter()
-            st = run_chunk(setup, c, states[n], reads, mass[:c], jnp.int32(t0))
+            st = run_chunk(setup, c, states[n], reads, mass, jnp.int32(t0))
             a = acc[n]
             a["latency"] += float(st.latency)
             a["hbm"] += float(st.hbm_reads)
@@ -489,7 +497,7 @@ def simulate(
             plan_seconds=per_plan * a["plans"],
             sim_seconds=a["wall"],
         )
-    sa = [n for n in names if n.startswith("paper-sa[")]
+    sa = [n for n in names if n.startswith("paper-sa[") and n not in policies]
     if sa:
         best = min(sa, key=lambda n: out[n]["latency_s"])
         out["paper-sa"] = dict(out[best], tuned=best)

@@ -169,6 +169,9 @@ class SyntheticTrace:
       patterns: the seed's mixture: steady-hot blocks (always heavy), intermittent bursts (on
         for a while, then off), late-long-tail blocks (old blocks that gain weight as decoding
         goes on), over a recency background.
+    At block sizes below SPAN_TOKENS, noise and pattern kinds are drawn per passage of
+    SPAN_TOKENS tokens (SPAN_SHARE of the noise variance shared), so token-level reads cluster
+    as real attention does; at block sizes >= SPAN_TOKENS every block draws its own.
     """
 
     kind: str
@@ -202,6 +205,10 @@ class SyntheticTrace:
         return _synthetic_mass(self, jnp.int32(t0), n)
 
 
+SPAN_TOKENS = 32  # synthetic traces: tokens of one "passage" that is attended together
+SPAN_SHARE = 0.75  # share of a token's noise variance that its passage shares
+
+
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _synthetic_mass(tr: SyntheticTrace, t0, n: int):
     bs = tr.block_size
@@ -213,26 +220,38 @@ def _synthetic_mass(tr: SyntheticTrace, t0, n: int):
     age = jnp.maximum(now - pos, 0.0)
     live = (blk < context_blocks(tr.prompt_len, t, bs)) & (t < tr.steps)
     seed = jnp.uint32(tr.seed)
+    # Passages: attention to a token goes with attention to its neighbours (the premise of
+    # page-level selection such as Quest), so noise and pattern kinds are drawn per span of
+    # SPAN_TOKENS tokens (offset per layer, not aligned with pages) and mixed with a per-block
+    # part; at block sizes >= SPAN_TOKENS each block is its own span.
+    off = jnp.floor(_hash(seed, layer, 8) * SPAN_TOKENS).astype(jnp.int32)
+    span = jnp.where(bs >= SPAN_TOKENS, blk, (blk * bs + bs // 2 + off) // SPAN_TOKENS)
+    rho = jnp.where(bs >= SPAN_TOKENS, 0.0, SPAN_SHARE)
+
+    def noise(*key):  # standard normal, shared by a span to the extent rho
+        zs = jax.scipy.special.ndtri(_hash(seed, layer, span, *key, 9))
+        zb = jax.scipy.special.ndtri(_hash(seed, layer, blk, *key))
+        return jnp.sqrt(rho) * zs + jnp.sqrt(1.0 - rho) * zb
+
     # Per-layer recency scale between 2k and 16k tokens: some layers are local, some global.
     tau = 2000.0 * 8.0 ** _hash(seed, layer, 1)
     recency = 1.0 / (1.0 + age / tau)
     sink = jnp.where(blk * bs < 4, 4.0, 1.0)
     if tr.kind in ("recency-low", "recency-high"):
         redraw, sigma = (6, 1.0) if tr.kind == "recency-low" else (1, 1.5)
-        phase = jnp.floor(_hash(seed, layer, blk, 2) * redraw).astype(jnp.int32)
+        phase = jnp.floor(_hash(seed, layer, span, 2) * redraw).astype(jnp.int32)
         epoch = (t + phase) // redraw
-        z = jax.scipy.special.ndtri(_hash(seed, layer, blk, epoch))
-        m = recency * sink * jnp.exp(sigma * z)
+        m = recency * sink * jnp.exp(sigma * noise(epoch))
     else:
-        kind_u = _hash(seed, layer, blk, 3)
+        kind_u = _hash(seed, layer, span, 3)
         steady = kind_u < 0.08
         burst = (kind_u >= 0.08) & (kind_u < 0.5)
         late = (kind_u >= 0.5) & (kind_u < 0.6)
-        period = 20 + jnp.floor(_hash(seed, layer, blk, 4) * 60).astype(jnp.int32)
-        phase = jnp.floor(_hash(seed, layer, blk, 5) * period).astype(jnp.int32)
-        on = _hash(seed, layer, blk, (t + phase) // period, 6) < 0.35
+        period = 20 + jnp.floor(_hash(seed, layer, span, 4) * 60).astype(jnp.int32)
+        phase = jnp.floor(_hash(seed, layer, span, 5) * period).astype(jnp.int32)
+        on = _hash(seed, layer, span, (t + phase) // period, 6) < 0.35
         grow = jnp.clip((t.astype(jnp.float32) - 0.3 * tr.steps) / (0.4 * tr.steps + 1), 0, 1)
-        z = jax.scipy.special.ndtri(_hash(seed, layer, blk, (t + phase) // 5, 7))
+        z = noise((t + phase) // 5, 7)
         base = recency * jnp.exp(0.7 * z)
         m = base * sink
         m = m + jnp.where(steady, 3.0, 0.0) + jnp.where(burst & on, 2.0 * jnp.exp(0.5 * z), 0.0)
