@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxkv import anneal, cost
 from jaxkv import trace as tr
 from jaxkv.config import AnnealConfig, HardwareProfile
-from jaxkv.simulate import read_mask
+from jaxkv.trace import read_mask
 
 
 def main() -> None:

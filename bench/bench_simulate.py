@@ -25,7 +25,18 @@ from jaxkv import trace as tr
 from jaxkv.config import AnnealConfig, HardwareProfile
 
 PAPER = ["static", "lru", "page", "paper-sa", "unlimited"]
-OURS = ["static", "lru", "page", "paper-sa", "anneal", "anneal+aw+ec", "anneal-oracle", "unlimited"]
+OURS = [
+    "static",
+    "lru",
+    "page",
+    "paper-sa",
+    "anneal",
+    "anneal+aw",
+    "anneal+ec",
+    "anneal+aw+ec",
+    "anneal-oracle",
+    "unlimited",
+]
 
 
 def run(kind, block_size, sparsity, names, args):
@@ -37,6 +48,8 @@ def run(kind, block_size, sparsity, names, args):
         profile=HardwareProfile.preset(args.profile),
         geometry=cost.get_geometry(args.geometry),
         sparsity=sparsity,
+        capacity_blocks=args.capacity_blocks,
+        keep_fetched=args.keep_fetched,
         chunk=args.chunk,
         window=args.window,
         interval=args.interval,
@@ -91,6 +104,13 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--profile", default="gh200-paper")
     ap.add_argument("--geometry", default="paper")
+    ap.add_argument(
+        "--capacity-blocks",
+        type=int,
+        default=None,
+        help="HBM pool blocks per layer (default: 24 GB)",
+    )
+    ap.add_argument("--keep-fetched", action="store_true", help="see jaxkv.simulate.simulate")
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--window", type=int, default=10)
     ap.add_argument("--interval", type=int, default=1)

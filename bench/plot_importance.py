@@ -68,8 +68,7 @@ def swings(mass: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def analyse(trace, sparsity: float, steps: int | None = None) -> dict:
     """All the figures' numbers, plus the arrays the plot needs (keys starting with '_')."""
-    from jaxkv.simulate import read_mask
-    from jaxkv.trace import read_stats
+    from jaxkv.trace import read_mask, read_stats
 
     n = min(steps or trace.steps, trace.steps)
     dense = np.asarray(trace.mass(0, n))  # [n, layers, N]

@@ -194,7 +194,7 @@ def collect_examples(trace, sparsity: float, window: int = 50, max_steps: int | 
     Returns:
       (x [examples, NUM_FEATURES] float32, y [examples] float32), valid blocks only.
     """
-    from jaxkv.simulate import read_mask  # local: simulate imports this module
+    from jaxkv.trace import read_mask
 
     steps = min(max_steps or trace.steps, trace.steps)
     stats = init_stats(trace.num_layers, trace.num_blocks)

@@ -232,6 +232,8 @@ class Anneal:
       (relative L1 over blocks), recalibrate (blend the last window's measured read frequency into
       the forecast), and roll back up to `rollback` of the last plan's promotions that went unread
       (their forecast is zeroed); needs obs.window_reads.
+    keep_fetched: price promoting a block read from host at the last step as the HBM write alone
+      (the simulator's `keep_fetched`; the decode loop re-reads the host pool, so False there).
     The energy model (profile, block bytes, weights, demotion cost) should match the cost model
     the policy is judged by; the simulator passes its own.
     """
@@ -246,6 +248,7 @@ class Anneal:
     block_bytes: float = 16 * 4096.0
     fixed_bytes: float = 436e6
     demote_cost: float = 0.0
+    keep_fetched: bool = False  # promotions of blocks read at the last step need no link read
     budget: int | None = None
     config: AnnealConfig = AnnealConfig()
     adaptive: bool = False
@@ -328,20 +331,22 @@ class Anneal:
             a = jnp.where(bad, recal, a)
             compensations = compensations + bad
         a = a * active[:, None, None]
-        # A promoted block read at this step crosses the link once (the read) and is written to
-        # HBM; one read from host at the last step only needs the HBM write (its copy is kept).
-        piggyback = ((obs.last_read == obs.step - 1) & (obs.last_read >= 0) & ~obs.in_hbm).astype(
-            jnp.float32
-        )
         a0 = jnp.clip(a[0], 0.0, 1.0)
+        kept = jnp.zeros_like(a0)
+        if self.keep_fetched:
+            kept = ((obs.last_read == obs.step - 1) & (obs.last_read >= 0) & ~obs.in_hbm).astype(
+                jnp.float32
+            )
         problem = anneal.AnnealProblem(
             forecast=jnp.swapaxes(a, 0, 1),
             x0=obs.in_hbm & obs.valid,
             valid=obs.valid,
             fixed=jnp.full((h,), self.fixed_bytes, jnp.float32),
             weight=active * self.discount ** jnp.arange(h, dtype=jnp.float32),
-            promote_hbm=jnp.where(piggyback > 0, 1.0, 1.0 - a0),
-            promote_link=1.0 - piggyback,
+            # a block promoted while this step reads it crosses the link once, as its read (a
+            # host read), and is written to HBM; any other promotion is a link read + HBM write
+            promote_hbm=jnp.where(kept > 0, 1.0, 1.0 - a0),
+            promote_link=1.0 - kept,
             profile=self.profile,
             block_bytes=float(self.block_bytes),
             capacity=obs.capacity,

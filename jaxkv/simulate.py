@@ -7,8 +7,11 @@ Per decode step t (context P + t + 1 tokens, P = prompt length):
   2. at a plan step (every W steps, W per policy, adaptive for `+aw`) the policy sees an
      Observation (oracles also the true reads of the next steps) and returns a target; moving to
      it costs, per block, an HBM write plus a link read for a promotion (no separate link read
-     when the block is read from host at this step or was at the previous one: the fetched copy
-     is kept; a read at this step of a block promoted now counts as a host read) and
+     when the block is read from host at this step, as in the paper: the promotion rides on the
+     read, which counts as a host read; a block read at an earlier step crosses again, as in the
+     decode loop, whose migrations read the host pool; with `keep_fetched`, a block read from
+     host at the previous step needs only the HBM write and its read now is an HBM read, as if
+     the fetched copy were kept for the next plan) and
      `demote_cost` x block bytes on each side for a demotion (0 by default: host memory keeps a
      copy of every block, as in the paper), all charged to this step;
   3. the step reads the top ceil((1 - s) x sealed blocks) blocks by attention mass (s = sparsity)
@@ -21,13 +24,17 @@ Policy names: those of `jaxkv.policies.POLICIES`, with modifiers for `anneal` / 
 `+aw` (adaptive window) and `+ec` (forecast-error compensation), e.g. `anneal+aw+ec`.
 `paper-sa` runs every (lookahead, fraction) pair of `PAPER_SA_GRID` and reports the best (the
 oracle tuning of its two knobs). `unlimited` is the bound of `jaxkv.cost.unlimited_step_time`.
+
+Planning is not part of `latency_s` (the model's decode time); `plan_seconds` is the compiled
+plan time measured on the present device times the number of plans, and
+`vs_unlimited_with_plan` charges it serially (planning on the critical path, no overlap).
+The command line (`jaxkv simulate`) is in `jaxkv.simulate_cli`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import time
 from typing import Any
@@ -37,44 +44,13 @@ import jax.numpy as jnp
 
 from jaxkv import cost
 from jaxkv import importance as imp
-from jaxkv import trace as tr
 from jaxkv._pytree import pytree_dataclass, static_field
 from jaxkv.config import AnnealConfig, HardwareProfile
 from jaxkv.policies import POLICIES, Observation, Static, get_policy
+from jaxkv.trace import read_mask
 
-PAPER_SA_GRID = ((10, 50), (0.5, 1.0))  # lookahead W values, fraction R values
+PAPER_SA_GRID = ((2, 10, 50), (0.5, 1.0))  # lookahead W values, fraction R values
 NEVER = 1 << 30
-
-
-def read_mask(mass, prompt_len: int, block_size: int, sparsity: float, t0):
-    """The blocks each step reads: top ceil((1 - s) x sealed) sealed blocks by mass (mass > 0).
-
-    Args:
-      mass: [n, layers, N] float32, steps t0 .. t0 + n - 1.
-      prompt_len, block_size: trace geometry.
-      sparsity: s in [0, 1).
-      t0: [] int, first step.
-    Returns:
-      [n, layers, N] bool.
-    """
-    return _read_mask(mass, prompt_len, block_size, float(sparsity), jnp.int32(t0))
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _read_mask(mass, prompt_len, block_size, sparsity, t0):
-    n, _, nb = mass.shape
-    t = t0 + jnp.arange(n, dtype=jnp.int32)
-    sealed = (prompt_len + t) // block_size  # [n]
-    k = jnp.ceil((1.0 - sparsity) * sealed.astype(jnp.float32)).astype(jnp.int32)  # [n]
-    ok = jnp.arange(nb)[None, None, :] < sealed[:, None, None]
-    m = jnp.where(ok, mass, -1.0)
-    srt = -jnp.sort(-m, axis=-1)  # descending
-    thr = jnp.take_along_axis(
-        srt,
-        jnp.clip(k - 1, 0, nb - 1)[:, None, None] * jnp.ones(srt.shape[:2] + (1,), jnp.int32),
-        axis=-1,
-    )
-    return ok & (m >= thr) & (m > 0) & (k > 0)[:, None, None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +66,7 @@ class Setup:
     weight_bytes: float
     profile: HardwareProfile
     demote_cost: float = 0.0
+    keep_fetched: bool = False
 
     @property
     def block_bytes(self) -> float:
@@ -202,12 +179,12 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0):
             target = target & valid
             pro = target & ~in_hbm
             dem = in_hbm & ~target
-            piggy = (stats.last_read == t - 1) & (stats.last_read >= 0) & ~in_hbm
             mig_h = b * (jnp.sum(pro, -1) + s.demote_cost * jnp.sum(dem, -1))
+            kept = pro & (stats.last_read == t - 1) & (stats.last_read >= 0) & s.keep_fetched
             # a block promoted while this step reads it is read over the link once and written
             # to HBM: no separate link transfer, and its read is a host read
-            now = pro & reads_buf[c] & ~piggy
-            mig_l = b * (jnp.sum(pro & ~piggy & ~now, -1) + s.demote_cost * jnp.sum(dem, -1))
+            now = pro & reads_buf[c] & ~kept
+            mig_l = b * (jnp.sum(pro & ~now & ~kept, -1) + s.demote_cost * jnp.sum(dem, -1))
             moved = jnp.sum(pro) + jnp.sum(dem)
             stats = dataclasses.replace(stats, window_reads=jnp.zeros_like(stats.window_reads))
             nxt = t + jnp.maximum(_window_of(policy, pstate), 1)
@@ -309,6 +286,7 @@ def make_policy(
             block_bytes=setup.block_bytes,
             fixed_bytes=setup.fixed_bytes,
             demote_cost=setup.demote_cost,
+            keep_fetched=setup.keep_fetched,
             adaptive="aw" in mods,
             compensate="ec" in mods,
             prompt_len=setup.prompt_len,
@@ -385,6 +363,7 @@ def simulate(
     capacity_blocks: int | None = None,
     chunk: int = 100,
     demote_cost: float = 0.0,
+    keep_fetched: bool = False,
     window: int = 10,
     interval: int = 1,
     discount: float = 0.8,
@@ -408,6 +387,9 @@ def simulate(
       capacity_blocks: overrides the HBM pool blocks per layer.
       chunk: steps per compiled chunk.
       demote_cost: bytes per side of a demotion, as a fraction of a block (0: inclusive host).
+      keep_fetched: a block read from host at the previous step is promoted for the HBM write
+        alone (a decode loop that keeps fetched copies for the next plan; the paper's rule and
+        jaxkv's decode loop re-read it: False).
       window, interval, discount: the anneal policies' lookahead W, steps between plans
         (receding horizon) and per-step discount.
       oracle_window, oracle_discount: W and discount of anneal-oracle (with the true future a
@@ -440,6 +422,7 @@ def simulate(
         float(geometry.weight_bytes),
         profile,
         float(demote_cost),
+        bool(keep_fetched),
     )
     names = _expand(policies, paper_sa_grid)
     pols = {}
@@ -517,6 +500,7 @@ def simulate(
         v["tokens_per_s"] = n_steps / v["latency_s"]
         v["speedup_vs_static"] = static / v["latency_s"] if static else None
         v["vs_unlimited"] = v["latency_s"] / unl
+        v["vs_unlimited_with_plan"] = (v["latency_s"] + v["plan_seconds"]) / unl
     order = [p for p in policies if p in out]
     return {
         "policies": {p: out[p] for p in order},
@@ -533,129 +517,11 @@ def simulate(
             "profile": profile.name,
             "geometry": geometry.name,
             "demote_cost": demote_cost,
+            "keep_fetched": keep_fetched,
             "device": jax.devices()[0].device_kind,
             "jax": jax.__version__,
         },
     }
-
-
-def format_table(result: dict) -> str:
-    """The human-readable table of `simulate`'s result."""
-    s = result["setup"]
-    lines = [
-        f"trace {s['trace']}  steps {s['steps']}  prompt {s['prompt_len']}  block {s['block_size']}"
-        f"  layers {s['layers']}  HBM pool {s['capacity_blocks']}/{s['blocks']} blocks  "
-        f"s={s['sparsity']:g}  profile {s['profile']}  geometry {s['geometry']}",
-        f"{'policy':<16}{'latency s':>11}{'tok/s':>9}{'vs static':>10}{'vs unlim':>9}"
-        f"{'HBM hit':>9}{'migrated GB':>12}{'plan s':>9}",
-    ]
-    for name, v in result["policies"].items():
-        sp = v["speedup_vs_static"]
-        lines.append(
-            f"{name:<16}{v['latency_s']:>11.4f}{v['tokens_per_s']:>9.1f}"
-            f"{(f'{sp:.2f}x' if sp else '-'):>10}{v['vs_unlimited']:>9.3f}"
-            f"{100 * v['hbm_hit_rate']:>8.1f}%{v['migrated_bytes'] / 1e9:>12.2f}"
-            f"{v['plan_seconds']:>9.2f}" + (f"  ({v['tuned']})" if "tuned" in v else "")
-        )
-    lines.append(
-        f"bound with the HBM capacity (free per-step placement): "
-        f"{result['bounds']['capacity_s']:.4f} s"
-    )
-    return "\n".join(lines)
-
-
-def add_cli(sub) -> None:
-    """Adds `jaxkv simulate`."""
-    p = sub.add_parser(
-        "simulate", help="trace-driven placement simulation", description=__doc__.split("\n")[0]
-    )
-    p.add_argument(
-        "--trace",
-        default="synthetic:recency-low",
-        help="a .npz path or synthetic:recency-low|recency-high|patterns",
-    )
-    p.add_argument("--profile", default="gh200-paper")
-    p.add_argument("--geometry", default="llama3-8b")
-    p.add_argument("--sparsity", type=float, default=0.6)
-    p.add_argument("--policies", default="static,lru,page,paper-sa,anneal,anneal-oracle,unlimited")
-    p.add_argument(
-        "--hbm-gb",
-        type=float,
-        default=cost.PAPER_HBM_BUDGET / 1e9,
-        help="HBM in all (weights + KV), GB",
-    )
-    p.add_argument("--capacity-blocks", type=int, default=None)
-    p.add_argument("--prompt-len", type=int, default=31_299)
-    p.add_argument("--steps", type=int, default=2_048)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--window", type=int, default=10, help="anneal lookahead W")
-    p.add_argument("--interval", type=int, default=1, help="anneal: steps between plans")
-    p.add_argument("--discount", type=float, default=0.8, help="anneal: per-step discount")
-    p.add_argument("--oracle-window", type=int, default=3, help="anneal-oracle lookahead W")
-    p.add_argument("--oracle-discount", type=float, default=1.0)
-    p.add_argument("--chains", type=int, default=8, help="anneal chains")
-    p.add_argument("--chunk", type=int, default=100)
-    p.add_argument("--demote-cost", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=_main)
-
-
-def _main(args) -> int:
-    profile = HardwareProfile.preset(args.profile)
-    geometry = cost.get_geometry(args.geometry)
-    trace = tr.parse_spec(
-        args.trace,
-        prompt_len=args.prompt_len,
-        steps=args.steps,
-        num_layers=args.layers,
-        block_size=args.block_size,
-        seed=args.seed,
-    )
-    names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    result = simulate(
-        trace,
-        names,
-        profile=profile,
-        geometry=geometry,
-        sparsity=args.sparsity,
-        hbm_budget=args.hbm_gb * 1e9,
-        capacity_blocks=args.capacity_blocks,
-        chunk=args.chunk,
-        demote_cost=args.demote_cost,
-        window=args.window,
-        interval=args.interval,
-        discount=args.discount,
-        oracle_window=args.oracle_window,
-        oracle_discount=args.oracle_discount,
-        anneal_config=AnnealConfig(chains=args.chains),
-        progress=not args.no_progress,
-        seed=args.seed,
-    )
-    if args.json:
-        keys = (
-            "latency_s",
-            "tokens_per_s",
-            "speedup_vs_static",
-            "vs_unlimited",
-            "hbm_hit_rate",
-            "migrated_bytes",
-            "plan_seconds",
-        )
-        print(
-            json.dumps(
-                {
-                    "policies": {n: {k: v[k] for k in keys} for n, v in result["policies"].items()},
-                    "bounds": result["bounds"],
-                    "setup": result["setup"],
-                }
-            )
-        )
-    else:
-        print(format_table(result))
-    return 0
 
 
 __all__ = [
@@ -665,6 +531,4 @@ __all__ = [
     "make_policy",
     "Setup",
     "SimState",
-    "add_cli",
-    "format_table",
 ]

@@ -298,8 +298,6 @@ def read_stats(trace, sparsity: float, steps: int | None = None) -> dict:
        "reread_within_50": fraction of blocks read at some step that are read again within 50}.
     """
     n = min(steps or trace.steps, trace.steps)
-    from jaxkv.simulate import read_mask  # local: simulate imports this module
-
     reads = np.asarray(read_mask(trace.mass(0, n), trace.prompt_len, trace.block_size, sparsity, 0))
     a, b = reads[:-1], reads[1:]
     swap = (a & ~b).sum(-1) / np.maximum(a.sum(-1), 1)
@@ -315,3 +313,34 @@ def read_stats(trace, sparsity: float, steps: int | None = None) -> dict:
         "blocks": int(trace.num_blocks),
         "steps": int(n),
     }
+
+
+def read_mask(mass, prompt_len: int, block_size: int, sparsity: float, t0):
+    """The blocks each step reads: top ceil((1 - s) x sealed) sealed blocks by mass (mass > 0).
+
+    Args:
+      mass: [n, layers, N] float32, steps t0 .. t0 + n - 1.
+      prompt_len, block_size: trace geometry.
+      sparsity: s in [0, 1).
+      t0: [] int, first step.
+    Returns:
+      [n, layers, N] bool.
+    """
+    return _read_mask(mass, prompt_len, block_size, float(sparsity), jnp.int32(t0))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _read_mask(mass, prompt_len, block_size, sparsity, t0):
+    n, _, nb = mass.shape
+    t = t0 + jnp.arange(n, dtype=jnp.int32)
+    sealed = (prompt_len + t) // block_size  # [n]
+    k = jnp.ceil((1.0 - sparsity) * sealed.astype(jnp.float32)).astype(jnp.int32)  # [n]
+    ok = jnp.arange(nb)[None, None, :] < sealed[:, None, None]
+    m = jnp.where(ok, mass, -1.0)
+    srt = -jnp.sort(-m, axis=-1)  # descending
+    thr = jnp.take_along_axis(
+        srt,
+        jnp.clip(k - 1, 0, nb - 1)[:, None, None] * jnp.ones(srt.shape[:2] + (1,), jnp.int32),
+        axis=-1,
+    )
+    return ok & (m >= thr) & (m > 0) & (k > 0)[:, None, None]
