@@ -130,7 +130,14 @@ def blocked_attention_kernel(
     # after the last K/V block has been waited for and consumed.
     (k_smem, v_smem), (o_smem, l_smem) = kv_or_out
 
-    plgpu.copy_gmem_to_smem(meta_ref.at[row, split], meta_smem, meta_barrier)
+    # The table is padded and its indices clipped, so the copy is in bounds; saying so takes the
+    # plain bulk copy (a bounds-checked TMA copy allows at most 256 elements per dimension).
+    plgpu.copy_gmem_to_smem(
+        meta_ref.at[row, split],
+        meta_smem,
+        meta_barrier,
+        oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
+    )
     plgpu.copy_gmem_to_smem(q_ref.at[row, head], q_smem, q_barrier)
     plgpu.barrier_wait(meta_barrier)
     num_blocks = meta_smem[0]
@@ -432,7 +439,16 @@ def blocked_attention(
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "return_block_lse"))
 def _blocked_attention_reference(
-    q, k_pool, v_pool, block_table, block_mask, lengths, layer, *, scale, softcap,
+    q,
+    k_pool,
+    v_pool,
+    block_table,
+    block_mask,
+    lengths,
+    layer,
+    *,
+    scale,
+    softcap,
     return_block_lse=False,
 ):
     batch, q_heads, head_dim = q.shape

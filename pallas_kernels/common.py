@@ -3,6 +3,8 @@ SMEM layouts for WGMMA operands."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -44,6 +46,26 @@ def _interpret_params(interpret):
             "cannot be interpreted on CPU with this version; use the *_reference functions"
         )
     return params()
+
+
+def race_checked(call):
+    """Runs `call(params)` in the Mosaic GPU interpreter with its race detector on and raises
+    RuntimeError if a race was found.
+
+    jax >= 0.12 raises by itself (`on_race="raise"`); jax 0.11 has no `on_race`: it prints the
+    race and records it in the interpreter's race state, which is checked here.
+    """
+    fields = {f.name for f in dataclasses.fields(plgpu.InterpretGPUParams)}
+    if "on_race" in fields:
+        return jax.block_until_ready(
+            call(plgpu.InterpretGPUParams(detect_races=True, on_race="raise"))
+        )
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # no public accessor in 0.11
+
+    out = jax.block_until_ready(call(plgpu.InterpretGPUParams(detect_races=True)))
+    if gpu_callbacks.get_races().races_found:
+        raise RuntimeError("the Mosaic GPU interpreter's race detector found a race")
+    return out
 
 
 def _swizzle(minor_elems: int, dtype) -> int:

@@ -17,7 +17,7 @@ from pallas_kernels.blocked_attention import (
     blocked_attention_reference,
     merge_partials,
 )
-from pallas_kernels.common import hopper_available
+from pallas_kernels.common import hopper_available, race_checked
 
 requires_hopper = pytest.mark.skipif(
     not hopper_available(), reason="needs a Hopper GPU (Mosaic GPU); run by bench/gpu_check.sh"
@@ -185,8 +185,7 @@ def test_no_races_detected(sizes):
     mask = np.random.default_rng(5).random((2, 7)) < 0.7
     mask[0, 0] = True
     case = make_case(5, max_blocks=7, lengths=[112, 90], mask=mask)
-    params = plgpu.InterpretGPUParams(detect_races=True, on_race="raise")
-    got = blocked_attention(*case, block_sizes=sizes, interpret=params)
+    got = race_checked(lambda p: blocked_attention(*case, block_sizes=sizes, interpret=p))
     assert_close(got, blocked_attention_reference(*case), TOL[jnp.bfloat16])
 
 
@@ -299,6 +298,25 @@ def test_lowers_for_cuda(config, semantics, monkeypatch):
     pools = [s((3, *a.shape), a.dtype) for a in args[1:3]]
     layered = (args[0], *pools, *args[3:], s((), jnp.int32))
     text = jax.jit(fn).trace(*layered).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_lowers_for_cuda_long_tables():
+    """131k tokens x batch 8 (8,192 blocks a row): the per-split block table is longer than a
+    bounds-checked TMA copy allows (256 elements), so it must take the in-bounds bulk copy."""
+    s = jax.ShapeDtypeStruct
+    args = (
+        s((8, 32, 128), jnp.bfloat16),
+        s((65536, 16, 8, 128), jnp.bfloat16),
+        s((65536, 16, 8, 128), jnp.bfloat16),
+        s((8, 8192), jnp.int32),
+        s((8, 8192), jnp.bool_),
+        s((8,), jnp.int32),
+    )
+    fn = functools.partial(
+        ba._blocked_attention, scale=0.1, softcap=None, block_sizes=BlockSizes(), interpret=False
+    )
+    text = jax.jit(fn).trace(*args, None).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 

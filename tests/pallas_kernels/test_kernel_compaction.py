@@ -10,7 +10,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_kernels.compaction as cp
-from pallas_kernels.common import hopper_available
+from pallas_kernels.common import hopper_available, race_checked
 from pallas_kernels.compaction import (
     CompactionBlockSizes,
     compaction,
@@ -116,8 +116,7 @@ def test_no_smem_races_detected():
     src = jnp.asarray([[1, 3, 5, 7, 9], [0, 2, 4, 6, 8]], jnp.int32)
     dst = jnp.asarray([[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]], jnp.int32)
     n = jnp.asarray([5, 4], jnp.int32)
-    params = plgpu.InterpretGPUParams(detect_races=True, on_race="raise")
-    got = compaction(jnp.array(pool), src, dst, n, interpret=params)
+    got = race_checked(lambda p: compaction(jnp.array(pool), src, dst, n, interpret=p))
     want = compaction_reference(jnp.array(pool), src, dst, n)
     np.testing.assert_array_equal(bits(got), bits(want))
 
@@ -159,7 +158,8 @@ def test_lowers_for_cuda_with_alias(semantics, monkeypatch):
     )
     s = jax.ShapeDtypeStruct
     fn = functools.partial(cp._compaction, block_sizes=CompactionBlockSizes(), interpret=False)
-    args = (s((32, 256, 16, 8, 128), jnp.bfloat16), s((32, 100), jnp.int32))
+    # 1,000 moves: the move table is longer than a bounds-checked TMA copy allows (256)
+    args = (s((32, 4096, 16, 8, 128), jnp.bfloat16), s((32, 1000), jnp.int32))
     lowered = jax.jit(fn, donate_argnums=0).trace(args[0], args[1], args[1], s((32,), jnp.int32))
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "output_operand_alias" in text
