@@ -232,6 +232,10 @@ class Anneal:
       (relative L1 over blocks), recalibrate (blend the last window's measured read frequency into
       the forecast), and roll back up to `rollback` of the last plan's promotions that went unread
       (their forecast is zeroed); needs obs.window_reads.
+    link_reserve: with an online forecast, the share of the link bandwidth the energy keeps free
+      for reads the forecast misses (blocks entering the read set cross the link at least once
+      whatever the plan; planning them at the full link rate overloads it, since the expected
+      loads' max underestimates the expected max). Not applied to the oracle forecast.
     keep_fetched: price promoting a block read from host at the last step as the HBM write alone
       (the simulator's `keep_fetched`; the decode loop re-reads the host pool, so False there).
     The energy model (profile, block bytes, weights, demotion cost) should match the cost model
@@ -249,6 +253,7 @@ class Anneal:
     fixed_bytes: float = 436e6
     demote_cost: float = 0.0
     keep_fetched: bool = False  # promotions of blocks read at the last step need no link read
+    link_reserve: float = 0.3
     budget: int | None = None
     config: AnnealConfig = AnnealConfig()
     adaptive: bool = False
@@ -268,12 +273,20 @@ class Anneal:
             raise ValueError(
                 f"Anneal forecast must be 'ema', 'oracle' or 'learned', got {self.forecast!r}"
             )
+        if not 0.0 <= self.link_reserve < 1.0:
+            raise ValueError(f"Anneal link_reserve must lie in [0, 1), got {self.link_reserve!r}")
         if self.forecast == "learned" and self.learned is None:
             raise ValueError("Anneal forecast='learned' needs learned=(w_0, ..., w_5, b), got None")
 
     @property
     def needs_forecast(self) -> bool:
         return self.forecast == "oracle"
+
+    def _planning_profile(self) -> HardwareProfile:
+        if self.forecast == "oracle" or self.link_reserve == 0.0:
+            return self.profile
+        bw = self.profile.link_bandwidth * (1.0 - self.link_reserve)
+        return dataclasses.replace(self.profile, link_bandwidth=bw)
 
     @property
     def horizon(self) -> int:
@@ -347,7 +360,7 @@ class Anneal:
             # host read), and is written to HBM; any other promotion is a link read + HBM write
             promote_hbm=jnp.where(kept > 0, 1.0, 1.0 - a0),
             promote_link=1.0 - kept,
-            profile=self.profile,
+            profile=self._planning_profile(),
             block_bytes=float(self.block_bytes),
             capacity=obs.capacity,
             budget=self.budget if self.budget is not None else 1 << 30,

@@ -152,6 +152,18 @@ def test_bad_forecast_kind():
         P.Anneal(forecast="x")
 
 
+def test_bad_link_reserve():
+    with pytest.raises(ValueError, match=r"link_reserve must lie in \[0, 1\), got 1.0"):
+        P.Anneal(link_reserve=1.0)
+
+
+def test_link_reserve_derates_online_planning_only():
+    online, oracle = P.Anneal(link_reserve=0.25), P.Anneal(forecast="oracle", link_reserve=0.25)
+    bw = online.profile.link_bandwidth
+    assert online._planning_profile().link_bandwidth == pytest.approx(0.75 * bw)
+    assert oracle._planning_profile().link_bandwidth == bw
+
+
 def test_learned_needs_params():
     with pytest.raises(ValueError, match=r"forecast='learned' needs learned="):
         P.Anneal(forecast="learned")

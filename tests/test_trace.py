@@ -123,3 +123,12 @@ def test_to_file_trace_round_trips_synthetic(tmp_path):
     f = tr.to_file_trace(s)
     tr.save(tmp_path / "p.npz", f)
     np.testing.assert_allclose(tr.load(tmp_path / "p.npz").mass(0, 6), s.mass(0, 6), rtol=1e-6)
+
+
+def test_synthetic_token_reads_cluster_in_passages():
+    # At token granularity reads come in passages (SPAN_TOKENS): a read token's neighbour is read
+    # far more often than the read fraction alone would give (0.4 at s = 0.6).
+    t = tr.SyntheticTrace("recency-low", prompt_len=4096, steps=2, num_layers=2, block_size=1)
+    r = np.asarray(tr.read_mask(t.mass(0, 1), t.prompt_len, 1, 0.6, 0))[0]  # [layers, N]
+    both = (r[:, :-1] & r[:, 1:]).sum() / r[:, :-1].sum()
+    assert both > 0.6, both
