@@ -76,18 +76,28 @@ def row(res, names):
 
 
 def trace_stats(args) -> int:
-    """Dynamics of the synthetic traces: read-set swap per step, re-read within 50 steps."""
+    """Dynamics of traces (synthetic kinds or recorded .npz files): read-set swap per step,
+    re-read within 50 steps, 16-token page fill."""
     print(f"# trace stats: prompt {args.prompt_len}, {args.steps} steps, {args.layers} layers")
-    print("| trace | block | s | read set swapped per step | reads re-read within 50 steps |")
-    print("|---|---|---|---|---|")
+    print(
+        "| trace | block | s | read set swapped per step | reads re-read within 50 steps "
+        "| page fill |"
+    )
+    print("|---|---|---|---|---|---|")
     for kind in (args.traces or ",".join(tr.SYNTHETIC_KINDS)).split(","):
-        for bs in (int(b) for b in args.block_sizes.split(",")):
+        sizes = [int(b) for b in args.block_sizes.split(",")]
+        for bs in [None] if kind.endswith(".npz") else sizes:
             for s in (float(x) for x in (args.sparsities or "0.6,0.8").split(",")):
-                t = tr.SyntheticTrace(kind, args.prompt_len, args.steps, args.layers, bs, args.seed)
-                st = tr.read_stats(t, s)
+                if bs is None:
+                    t = tr.load(kind)
+                else:
+                    t = tr.SyntheticTrace(
+                        kind, args.prompt_len, args.steps, args.layers, bs, args.seed
+                    )
+                st = tr.read_stats(t, s, steps=args.steps)
                 print(
-                    f"| {kind} | {bs} | {s:g} | {100 * st['swap_per_step']:.1f}% | "
-                    f"{100 * st['reread_within_50']:.1f}% |"
+                    f"| {kind} | {t.block_size} | {s:g} | {100 * st['swap_per_step']:.1f}% | "
+                    f"{100 * st['reread_within_50']:.1f}% | {st['page_fill']:.2f} |"
                 )
     return 0
 

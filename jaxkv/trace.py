@@ -295,7 +295,9 @@ def read_stats(trace, sparsity: float, steps: int | None = None) -> dict:
 
     Returns:
       {"swap_per_step": mean fraction of the read set replaced between consecutive steps,
-       "reread_within_50": fraction of blocks read at some step that are read again within 50}.
+       "reread_within_50": fraction of blocks read at some step that are read again within 50,
+       "page_fill": of the 16-token pages a step reads from, the mean share of blocks read
+         (1.0: reads come in whole pages; at block sizes >= 16 every page is one block)}.
     """
     n = min(steps or trace.steps, trace.steps)
     reads = np.asarray(read_mask(trace.mass(0, n), trace.prompt_len, trace.block_size, sparsity, 0))
@@ -307,9 +309,16 @@ def read_stats(trace, sparsity: float, steps: int | None = None) -> dict:
         later[:-d] |= reads[d:]
     first = reads[: n - horizon] if n > horizon else reads
     rr = (first & later[: first.shape[0]]).sum() / max(first.sum(), 1)
+    # page fill: of the 16-token pages a step touches, the mean share of tokens it reads
+    g = max(1, 16 // trace.block_size)
+    pad = -reads.shape[-1] % g
+    pages = np.pad(reads, ((0, 0), (0, 0), (0, pad))).reshape(*reads.shape[:2], -1, g)
+    touched = pages.any(-1).sum(-1)
+    fill = reads.sum(-1) / np.maximum(touched * g, 1)
     return {
         "swap_per_step": float(swap.mean()),
         "reread_within_50": float(rr),
+        "page_fill": float(fill[touched > 0].mean()),
         "blocks": int(trace.num_blocks),
         "steps": int(n),
     }
