@@ -88,6 +88,12 @@ def oracle_forecast(future_reads, window: int | jax.Array | None = None):
     return a * (jnp.arange(a.shape[0]) < window)[:, None, None]
 
 
+def read_last_step(last_read, step):
+    """[layers, N] bool: read at step - 1 (`last_read` is -1 for never, which is not step - 1 at
+    step 0)."""
+    return (last_read == step - 1) & (last_read >= 0)
+
+
 def ema_forecast(read_ema, last_read, step, valid, wmax: int, window=None, recency: float = 1.0):
     """Online forecast from decayed statistics: P(read) per step, flat over the window.
 
@@ -103,7 +109,7 @@ def ema_forecast(read_ema, last_read, step, valid, wmax: int, window=None, recen
       [wmax, layers, N] float32.
     """
     t = jnp.arange(wmax, dtype=jnp.float32)[:, None, None]
-    just = ((last_read == step - 1) & (last_read >= 0)).astype(jnp.float32)[None]
+    just = read_last_step(last_read, step).astype(jnp.float32)[None]
     p = read_ema[None] + recency * just * (READ_DECAY ** (t + 1)) * (1.0 - read_ema[None])
     p = jnp.where(valid[None], jnp.clip(p, 0.0, 1.0), 0.0)
     if window is not None:

@@ -37,9 +37,8 @@ class Observation:
     step: jax.Array  # [] int32: current decode step
     forecast: jax.Array | None = None  # [W, layers, N] float32: P(block read at step t), if known
     window_reads: jax.Array | None = None  # [layers, N] float32: reads since the last plan, if kept
-    forecast_mass: jax.Array | None = (
-        None  # [W, layers, N] float32: future attention mass, if known
-    )
+    # [W, layers, N] float32: the future attention mass, if known
+    forecast_mass: jax.Array | None = None
     capacity: int = static_field(default=0)  # HBM pool slots per layer
 
 
@@ -132,8 +131,10 @@ def _unpage(p, g: int, n: int):
 @dataclasses.dataclass(frozen=True)
 class Page:
     """The paper's Quest-like baseline: pages of `page_blocks` blocks (16 tokens), perfect
-    one-step lookahead: the pages the next step reads belong in HBM (then those resident, then
-    the most recently read), re-planned every step.
+    one-step lookahead, re-planned every step: the pages the next step reads go to HBM (promoted
+    as that step reads them), then resident pages ranked by that step's attention mass
+    (`obs.forecast_mass`; by recency without it); a page the step does not read is never
+    promoted.
 
     Needs `obs.forecast` (the true reads of the next step, row 0).
     """
@@ -153,11 +154,11 @@ class Page:
         nxt = _pages(obs.forecast[0] * obs.valid, g, jnp.sum) > 0
         res = _pages(obs.in_hbm.astype(jnp.float32), g, jnp.mean)
         if obs.forecast_mass is not None:
-            imp_ = _pages(obs.forecast_mass[0] * obs.valid, g, jnp.sum)
+            heat = _pages(obs.forecast_mass[0] * obs.valid, g, jnp.sum)
         else:
-            imp_ = _pages(obs.last_read.astype(jnp.float32), g, jnp.max)
-        imp_ = imp_ / (1.0 + jnp.max(imp_, axis=-1, keepdims=True))
-        score = jnp.where(nxt, 4.0, 0.0) + 2.0 * res + imp_
+            heat = _pages(obs.last_read.astype(jnp.float32), g, jnp.max)
+        heat = heat / (1.0 + jnp.max(heat, axis=-1, keepdims=True))
+        score = jnp.where(nxt, 4.0, 0.0) + 2.0 * res + heat
         any_valid = _pages(obs.valid, g, jnp.any) & (nxt | (res > 0))
         pages = top_capacity(score, any_valid, obs.capacity // g)
         return state, _unpage(pages, g, n) & obs.valid
@@ -347,9 +348,7 @@ class Anneal:
         a0 = jnp.clip(a[0], 0.0, 1.0)
         kept = jnp.zeros_like(a0)
         if self.keep_fetched:
-            kept = ((obs.last_read == obs.step - 1) & (obs.last_read >= 0) & ~obs.in_hbm).astype(
-                jnp.float32
-            )
+            kept = (imp.read_last_step(obs.last_read, obs.step) & ~obs.in_hbm).astype(jnp.float32)
         problem = anneal.AnnealProblem(
             forecast=jnp.swapaxes(a, 0, 1),
             x0=obs.in_hbm & obs.valid,

@@ -180,7 +180,7 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0):
             pro = target & ~in_hbm
             dem = in_hbm & ~target
             mig_h = b * (jnp.sum(pro, -1) + s.demote_cost * jnp.sum(dem, -1))
-            kept = pro & (stats.last_read == t - 1) & (stats.last_read >= 0) & s.keep_fetched
+            kept = pro & imp.read_last_step(stats.last_read, t) & s.keep_fetched
             # a block promoted while this step reads it is read over the link once and written
             # to HBM: no separate link transfer, and its read is a host read
             now = pro & reads_buf[c] & ~kept
