@@ -209,7 +209,7 @@ class AnnealPolicyState:
     key: jax.Array  # [2] uint32: PRNG key data
     window: jax.Array  # [] int32: W for the coming window
     prev_hit: jax.Array  # [] float32: HBM hit rate of the last window
-    prev_expected: jax.Array  # [layers, N] float32: forecast reads per block for the last window
+    prev_expected: jax.Array  # [layers, N] float32: forecast reads per block until this plan
     last_promoted: jax.Array  # [layers, N] bool: blocks promoted at the last plan
     plans: jax.Array  # [] int32
     compensations: jax.Array  # [] int32: windows whose forecast error exceeded the threshold
@@ -338,7 +338,8 @@ class Anneal:
         if wr is not None and self.compensate:
             err = jnp.sum(jnp.abs(wr - state.prev_expected)) / jnp.maximum(jnp.sum(wr), 1.0)
             bad = (err > self.error_threshold) & (state.plans > 0)
-            freq = jnp.clip(wr / jnp.maximum(state.window.astype(jnp.float32), 1.0), 0.0, 1.0)
+            elapsed = self.next_window(state).astype(jnp.float32)  # steps since the last plan
+            freq = jnp.clip(wr / jnp.maximum(elapsed, 1.0), 0.0, 1.0)
             unread = state.last_promoted & (wr == 0)
             undo = unread & (jnp.cumsum(unread, axis=-1) <= self.rollback)
             recal = jnp.where(undo[None], 0.0, 0.5 * a + 0.5 * freq[None])
@@ -368,12 +369,15 @@ class Anneal:
         key, sub = jax.random.split(jax.random.wrap_key_data(state.key))
         x, _, _ = anneal.run(problem, sub, self.config)
         target = x & obs.valid
+        new_state = dataclasses.replace(state, window=window)
+        # the reads expected until the next plan: what the next plan's window_reads will count
+        until_next = jnp.arange(h) < self.next_window(new_state)
         return (
             AnnealPolicyState(
                 key=jax.random.key_data(key),
                 window=window,
                 prev_hit=prev_hit,
-                prev_expected=jnp.sum(a, axis=0),
+                prev_expected=jnp.sum(a * until_next[:, None, None], axis=0),
                 last_promoted=target & ~obs.in_hbm,
                 plans=state.plans + 1,
                 compensations=compensations,

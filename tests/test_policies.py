@@ -119,6 +119,19 @@ def test_compensation_triggers_on_a_bad_forecast():
     assert int(st2.compensations) == 1
 
 
+def test_compensation_compares_reads_with_the_steps_they_cover():
+    # planning every step over a W = 5 lookahead: the reads of the one step between plans are
+    # compared with that step's forecast (not the whole window's), so an exact forecast passes
+    pol = P.Anneal(
+        forecast="oracle", window=H, interval=1, compensate=True, config=FAST, error_threshold=0.15
+    )
+    obs = observation()
+    st, _ = pol.plan(pol.init(L, N), obs)
+    exact = P.Observation(**{**obs.__dict__, "window_reads": obs.forecast[0]})
+    st, _ = pol.plan(st, exact)
+    assert int(st.compensations) == 0
+
+
 def test_adaptive_window_moves_by_step_within_bounds():
     pol = P.Anneal(window=50, adaptive=True, config=FAST, min_window=20, max_window=60)
     obs = observation(forecast=False)
