@@ -12,7 +12,7 @@ PYTHON ?= $(shell for c in python3.13 python3.12 python3; do \
 	  [ -x $$p ] && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo $$p; exit; }; \
 	done)
 
-.PHONY: demo test test-slow lint venv clean
+.PHONY: demo test test-slow test-jax-gpu-version lint venv clean
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -34,8 +34,18 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m slow
 
+# The lent GPU machine runs jax 0.11.2: run the kernel tests (interpreter, race detector,
+# lowering for cuda) under that version on CPU before a GPU session spends its minutes.
+GPU_JAX := 0.11.2
+test-jax-gpu-version: $(STAMP)
+	[ -d .jax-$(GPU_JAX) ] || $(PY) -m pip install -q --no-deps --target .jax-$(GPU_JAX) \
+	  jax==$(GPU_JAX) jaxlib==$(GPU_JAX)
+	PYTHONPATH=$$PWD/.jax-$(GPU_JAX) $(PY) -c 'import jax; print("testing with jax", jax.__version__)'
+	PYTHONPATH=$$PWD/.jax-$(GPU_JAX) $(PY) -m pytest -q -n 2 -m "not slow and not gpu" \
+	  tests/pallas_kernels tests/test_attention.py tests/test_cache.py
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .jax-*
