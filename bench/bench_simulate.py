@@ -19,10 +19,9 @@ import time
 
 import jax
 
-from jaxkv import cost
 from jaxkv import simulate as sim
 from jaxkv import trace as tr
-from jaxkv.config import AnnealConfig, HardwareProfile
+from jaxkv.simulate_cli import add_simulation_args, simulation_kwargs
 
 PAPER = ["static", "lru", "page", "paper-sa", "unlimited"]
 OURS = [
@@ -43,22 +42,7 @@ def run(kind, block_size, sparsity, names, args):
     trace = tr.SyntheticTrace(kind, args.prompt_len, args.steps, args.layers, block_size, args.seed)
     t = time.perf_counter()
     res = sim.simulate(
-        trace,
-        names,
-        profile=HardwareProfile.preset(args.profile),
-        geometry=cost.get_geometry(args.geometry),
-        sparsity=sparsity,
-        capacity_blocks=args.capacity_blocks,
-        keep_fetched=args.keep_fetched,
-        chunk=args.chunk,
-        window=args.window,
-        interval=args.interval,
-        discount=args.discount,
-        oracle_window=args.oracle_window,
-        oracle_discount=args.oracle_discount,
-        anneal_config=AnnealConfig(chains=args.chains),
-        progress=not args.quiet,
-        seed=args.seed,
+        trace, names, sparsity=sparsity, progress=not args.quiet, **simulation_kwargs(args)
     )
     res["wall_s"] = time.perf_counter() - t
     return res
@@ -109,26 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sparsities", default=None)
     ap.add_argument("--block-sizes", default="16")
     ap.add_argument("--policies", default=None)
-    ap.add_argument("--prompt-len", type=int, default=31_299)
-    ap.add_argument("--steps", type=int, default=2_048)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--profile", default="gh200-paper")
-    ap.add_argument("--geometry", default="paper")
-    ap.add_argument(
-        "--capacity-blocks",
-        type=int,
-        default=None,
-        help="HBM pool blocks per layer (default: 24 GB)",
-    )
-    ap.add_argument("--keep-fetched", action="store_true", help="see jaxkv.simulate.simulate")
-    ap.add_argument("--chunk", type=int, default=128)
-    ap.add_argument("--window", type=int, default=10)
-    ap.add_argument("--interval", type=int, default=1)
-    ap.add_argument("--discount", type=float, default=0.8)
-    ap.add_argument("--oracle-window", type=int, default=3)
-    ap.add_argument("--oracle-discount", type=float, default=1.0)
-    ap.add_argument("--chains", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
+    add_simulation_args(ap, geometry="paper", chunk=128)
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -37,6 +37,59 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> None:
+    """The trace-size, cost-model and policy flags of `jaxkv simulate`, shared with
+    bench/bench_simulate.py; `simulation_kwargs` turns them into `simulate` arguments."""
+    p.add_argument("--prompt-len", type=int, default=31_299)
+    p.add_argument("--steps", type=int, default=2_048)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--profile", default="gh200-paper")
+    p.add_argument("--geometry", default=geometry)
+    p.add_argument(
+        "--hbm-gb",
+        type=float,
+        default=cost.PAPER_HBM_BUDGET / 1e9,
+        help="HBM in all (weights + KV), GB",
+    )
+    p.add_argument(
+        "--capacity-blocks", type=int, default=None, help="HBM pool blocks per layer (overrides)"
+    )
+    p.add_argument("--window", type=int, default=10, help="anneal lookahead W")
+    p.add_argument("--interval", type=int, default=1, help="anneal: steps between plans")
+    p.add_argument("--discount", type=float, default=0.8, help="anneal: per-step discount")
+    p.add_argument("--oracle-window", type=int, default=3, help="anneal-oracle lookahead W")
+    p.add_argument("--oracle-discount", type=float, default=1.0)
+    p.add_argument("--chains", type=int, default=8, help="anneal chains")
+    p.add_argument("--chunk", type=int, default=chunk)
+    p.add_argument("--demote-cost", type=float, default=0.0)
+    p.add_argument(
+        "--keep-fetched",
+        action="store_true",
+        help="promoting a block read from host at the last step needs no second link read",
+    )
+    p.add_argument("--seed", type=int, default=0)
+
+
+def simulation_kwargs(args) -> dict:
+    """`simulate` keyword arguments from the flags of `add_simulation_args`."""
+    return dict(
+        profile=HardwareProfile.preset(args.profile),
+        geometry=cost.get_geometry(args.geometry),
+        hbm_budget=args.hbm_gb * 1e9,
+        capacity_blocks=args.capacity_blocks,
+        chunk=args.chunk,
+        demote_cost=args.demote_cost,
+        keep_fetched=args.keep_fetched,
+        window=args.window,
+        interval=args.interval,
+        discount=args.discount,
+        oracle_window=args.oracle_window,
+        oracle_discount=args.oracle_discount,
+        anneal_config=AnnealConfig(chains=args.chains),
+        seed=args.seed,
+    )
+
+
 def add_cli(sub) -> None:
     """Adds `jaxkv simulate`."""
     p = sub.add_parser(
@@ -49,43 +102,17 @@ def add_cli(sub) -> None:
         default="synthetic:recency-low",
         help="a .npz path or synthetic:recency-low|recency-high|patterns",
     )
-    p.add_argument("--profile", default="gh200-paper")
-    p.add_argument("--geometry", default="llama3-8b")
     p.add_argument("--sparsity", type=float, default=0.6)
     p.add_argument("--policies", default="static,lru,page,paper-sa,anneal,anneal-oracle,unlimited")
-    p.add_argument(
-        "--hbm-gb",
-        type=float,
-        default=cost.PAPER_HBM_BUDGET / 1e9,
-        help="HBM in all (weights + KV), GB",
-    )
-    p.add_argument("--capacity-blocks", type=int, default=None)
-    p.add_argument("--prompt-len", type=int, default=31_299)
-    p.add_argument("--steps", type=int, default=2_048)
-    p.add_argument("--layers", type=int, default=32)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--window", type=int, default=10, help="anneal lookahead W")
-    p.add_argument("--interval", type=int, default=1, help="anneal: steps between plans")
-    p.add_argument("--discount", type=float, default=0.8, help="anneal: per-step discount")
-    p.add_argument("--oracle-window", type=int, default=3, help="anneal-oracle lookahead W")
-    p.add_argument("--oracle-discount", type=float, default=1.0)
-    p.add_argument("--chains", type=int, default=8, help="anneal chains")
-    p.add_argument("--chunk", type=int, default=100)
-    p.add_argument("--demote-cost", type=float, default=0.0)
-    p.add_argument(
-        "--keep-fetched",
-        action="store_true",
-        help="promoting a block read from host at the last step needs no second link read",
-    )
-    p.add_argument("--seed", type=int, default=0)
+    add_simulation_args(p)
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_main)
 
 
 def _main(args) -> int:
-    profile = HardwareProfile.preset(args.profile)
-    geometry = cost.get_geometry(args.geometry)
+    kwargs = simulation_kwargs(args)  # validates profile and geometry names first
     trace = tr.parse_spec(
         args.trace,
         prompt_len=args.prompt_len,
@@ -95,26 +122,7 @@ def _main(args) -> int:
         seed=args.seed,
     )
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    result = simulate(
-        trace,
-        names,
-        profile=profile,
-        geometry=geometry,
-        sparsity=args.sparsity,
-        hbm_budget=args.hbm_gb * 1e9,
-        capacity_blocks=args.capacity_blocks,
-        chunk=args.chunk,
-        demote_cost=args.demote_cost,
-        keep_fetched=args.keep_fetched,
-        window=args.window,
-        interval=args.interval,
-        discount=args.discount,
-        oracle_window=args.oracle_window,
-        oracle_discount=args.oracle_discount,
-        anneal_config=AnnealConfig(chains=args.chains),
-        progress=not args.no_progress,
-        seed=args.seed,
-    )
+    result = simulate(trace, names, sparsity=args.sparsity, progress=not args.no_progress, **kwargs)
     if args.json:
         keys = (
             "latency_s",
@@ -139,4 +147,4 @@ def _main(args) -> int:
     return 0
 
 
-__all__ = ["add_cli", "format_table"]
+__all__ = ["add_cli", "add_simulation_args", "format_table", "simulation_kwargs"]
