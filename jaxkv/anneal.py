@@ -3,17 +3,21 @@
 Problem (per layer): choose x in {0, 1}^N (1 = HBM) with x <= valid, sum x <= capacity and at most
 `budget` blocks differing from the current assignment x0, minimizing the window energy
 
-  E(x) = sum_t w_t max((fixed_t + hbm_t(x)) / B_hbm, link_t(x) / B_link)
+  E(x) = sum_t w_t max((fixed_t + hbm_t(x)) / B_hbm, link_t(x) / B_link) + sum_i v_i (1 - x_i)
   hbm_t(x)  = b * sum_i A[t, i] x_i       + [t = 0] b * (sum_{i in P} h_i + d |D|)
-  link_t(x) = b * sum_i A[t, i] (1 - x_i) + [t = 0] b * (sum_{i in P} l_i + d |D|)
+  link_t(x) = b * sum_i A[t, i] (1 - x_i) + [t = 0] b * (sum_{i in P} l_i + d |D|) + u_t
 
-with w_t a per-step weight (1, or a discount for receding-horizon planning; 0 on padding),
+with w_t a per-step weight (1, or a discount for receding-horizon planning; 0 on padding), u_t an
+optional link load no assignment changes (`fixed_link`: e.g. the reads a forecast cannot place),
 A[t, i] the forecast (probability or 0/1) that block i is read at step t, b the block bytes,
 P = x & ~x0 the promotions (h_i = promote_hbm, l_i = promote_link: per block, so the caller can
 price a block that crosses the link anyway, see `jaxkv.policies.Anneal`) and D = x0 & ~x the
 demotions (d = 0 when host memory keeps a copy of every block, as in the paper; 1 for an exclusive
 cache), all charged to the window's first step
-(see `jaxkv.cost`). The state keeps per-step loads so the energy change of a proposal costs O(W).
+(see `jaxkv.cost`), and v_i >= 0 an optional terminal value (seconds): what leaving block i on host
+costs after the window (e.g. the link transfer of a read beyond it), so that among placements
+the window alone cannot tell apart the planner keeps the blocks needed soonest (Belady's rule).
+The state keeps per-step loads so the energy change of a proposal costs O(W).
 
 Proposals: swap one HBM block with one host block (capacity kept), or, with probability
 `move_prob`, a single promotion (while there is slack) or demotion. Blocks are kept in a
@@ -57,6 +61,12 @@ class AnnealProblem:
     capacity: int = static_field(default=0)  # HBM pool blocks per layer
     budget: int = static_field(default=1 << 30)  # max blocks moved per layer per window
     demote_cost: float = static_field(default=0.0)  # d: demotion bytes per side, x block bytes
+    # [layers, N] float32 seconds, or None (zeros): what leaving block i out of HBM at the
+    # window's end costs later (a terminal value for reads beyond the window; see `energy`)
+    value: jax.Array | None = None
+    # [layers, W] float32 bytes, or None (zeros): link load every assignment has at each step,
+    # e.g. the expected reads the forecast cannot place (blocks entering the read set unforeseen)
+    fixed_link: jax.Array | None = None
 
 
 @pytree_dataclass
@@ -70,7 +80,8 @@ class AnnealState:
     moved: jax.Array  # [layers, C] int32: blocks differing from x0
     hbm: jax.Array  # [layers, C, W] float32: HBM-side load bytes per step (without `fixed`)
     link: jax.Array  # [layers, C, W] float32: link-side load bytes per step
-    energy: jax.Array  # [layers, C] float32 seconds
+    miss: jax.Array  # [layers, C] float32 seconds: terminal value of the blocks out of HBM
+    energy: jax.Array  # [layers, C] float32 seconds (load energy + miss)
     best_x: jax.Array  # [layers, C, N] bool
     best_energy: jax.Array  # [layers, C] float32
     ref_energy: jax.Array  # [layers, C] float32: best energy at the last significant improvement
@@ -107,14 +118,41 @@ def loads(problem: AnnealProblem, x):
     shape = lead + (a.shape[1],)
     return (
         (hbm + mig_h[..., None] * first).reshape(shape),
-        (total - hbm + mig_l[..., None] * first).reshape(shape),
+        (total - hbm + mig_l[..., None] * first + _fixed_link(problem)[:, None]).reshape(shape),
     )
 
 
+def _fixed_link(problem: AnnealProblem):
+    """[layers, W] float32 bytes: the assignment-independent link load (zeros when none)."""
+    shape = problem.forecast.shape[:2]
+    if problem.fixed_link is None:
+        return jnp.zeros(shape, jnp.float32)
+    return jnp.broadcast_to(problem.fixed_link.astype(jnp.float32), shape)
+
+
+def _value(problem: AnnealProblem):
+    """[layers, N] float32: the terminal value (zeros when the problem has none)."""
+    if problem.value is None:
+        return jnp.zeros(problem.x0.shape, jnp.float32)
+    return problem.value.astype(jnp.float32)
+
+
+def _miss(problem: AnnealProblem, x):
+    """Terminal value of the blocks out of HBM: [layers, ..., N] bool -> [layers, ...] seconds."""
+    v = _value(problem)
+    xb = x.reshape(x.shape[0], -1, x.shape[-1])
+    miss = jnp.einsum("ln,lmn->lm", v, 1.0 - xb.astype(jnp.float32))
+    return miss.reshape(x.shape[:-1])
+
+
 def energy(problem: AnnealProblem, x):
-    """Window energy of assignments x: [layers, ..., N] bool -> [layers, ...] seconds."""
+    """Window energy of assignments x: [layers, ..., N] bool -> [layers, ...] seconds.
+
+    The window's step times plus the terminal value of every block left out of HBM.
+    """
     hbm, link = loads(problem, x)
-    return _energy_of_loads(hbm, link, problem.fixed, problem.weight, problem.profile)
+    e = _energy_of_loads(hbm, link, problem.fixed, problem.weight, problem.profile)
+    return e + _miss(problem, x)
 
 
 def _best_prefix(problem: AnnealProblem, score):
@@ -127,7 +165,7 @@ def _best_prefix(problem: AnnealProblem, score):
     a_sorted = jnp.take_along_axis(a, order[:, None, :], axis=-1)  # [L, W, N]
     zero = jnp.zeros(a.shape[:2] + (1,), jnp.float32)
     hbm = b * jnp.concatenate([zero, jnp.cumsum(a_sorted, axis=-1)], axis=-1)  # [L, W, N+1]
-    total = hbm[..., -1:]
+    total = hbm[..., -1:] + _fixed_link(problem)[..., None]
 
     def prefix(v):  # [L, N] -> [L, N+1] sums of v over the first k blocks of the order
         vs = jnp.take_along_axis(v, order, axis=-1)
@@ -142,13 +180,14 @@ def _best_prefix(problem: AnnealProblem, score):
     first = (jnp.arange(a.shape[1]) == 0)[None, :, None]
     mig_h = (b * (pro_hbm + d * dem))[:, None, :] * first  # [L, W, N+1]
     mig_l = (b * (pro_link + d * dem))[:, None, :] * first
+    v = _value(problem) * valid
     e = _energy_of_loads(
         jnp.swapaxes(hbm + mig_h, 1, 2),
         jnp.swapaxes(total - hbm + mig_l, 1, 2),
         problem.fixed,
         problem.weight,
         problem.profile,
-    )  # [L, N+1]
+    ) + (jnp.sum(v, -1, keepdims=True) - prefix(v))  # [L, N+1]
     nvalid = jnp.sum(valid, axis=-1, keepdims=True)
     ok = (k <= cap) & (k <= nvalid) & (pro + dem <= problem.budget)
     e = jnp.where(ok, e, jnp.inf)
@@ -172,10 +211,12 @@ def greedy_init(problem: AnnealProblem):
     x0 = problem.x0 & problem.valid
     mass = jnp.einsum("ltn,t->ln", a, w)
     mass = mass / jnp.maximum(jnp.max(mass, axis=-1, keepdims=True), 1e-30)
+    v = _value(problem)
+    v = v / jnp.maximum(jnp.max(v, axis=-1, keepdims=True), 1e-30)
     scores = (
-        mass * (1.0 + 1e-3 * x0) + 1e-9 * x0,  # ties favor staying put
-        a[:, 0] + 1e-3 * mass + 1e-9 * x0,
-        x0 + 1e-3 * mass,
+        mass * (1.0 + 1e-3 * x0) + 1e-3 * v + 1e-9 * x0,  # ties: the terminal value, then stay
+        a[:, 0] + 1e-3 * mass + 1e-6 * v + 1e-9 * x0,
+        x0 + 1e-3 * mass + 1e-6 * v,
     )
     best_x, best_e = (
         x0,
@@ -213,7 +254,8 @@ def init(
     x = jnp.broadcast_to(greedy_init(problem)[:, None, :], (layers, c, n))
     valid = jnp.broadcast_to(problem.valid[:, None, :], (layers, c, n))
     hbm, link = loads(problem, x)
-    e = _energy_of_loads(hbm, link, problem.fixed, problem.weight, problem.profile)
+    miss = _miss(problem, x)
+    e = _energy_of_loads(hbm, link, problem.fixed, problem.weight, problem.profile) + miss
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)
     keys = jax.random.key_data(jax.random.split(key, (layers, c)))  # [layers, C, 2]
@@ -225,6 +267,7 @@ def init(
         moved=jnp.sum(x != problem.x0[:, None, :], -1).astype(jnp.int32),
         hbm=hbm,
         link=link,
+        miss=miss,
         energy=e,
         best_x=x,
         best_energy=e,
@@ -241,6 +284,7 @@ def _chain_step(
     x0,
     ph,
     pl,
+    val,
     fixed,
     weight,
     x,
@@ -250,7 +294,7 @@ def _chain_step(
     moved,
     hbm,
     link,
-    e,
+    miss,
     key,
     temp,
     *,
@@ -261,7 +305,7 @@ def _chain_step(
     move_prob,
     d,
 ):
-    """One proposal for one chain. a: [W, N]; x0, ph, pl, x, perm: [N]; hbm, link: [W]."""
+    """One proposal for one chain. a: [W, N]; x0, ph, pl, val, x, perm: [N]; hbm, link: [W]."""
     k_kind, k_p, k_q, k_dir, k_acc, k_next = jax.random.split(jax.random.wrap_key_data(key), 6)
     u = jax.random.uniform(k_kind)
     p = jnp.minimum((jax.random.uniform(k_p) * count).astype(jnp.int32), jnp.maximum(count - 1, 0))
@@ -297,7 +341,10 @@ def _chain_step(
     dh = b * (aj - ai)
     first = (jnp.arange(a.shape[0]) == 0).astype(jnp.float32)
     new_hbm, new_link = hbm + dh + b * dm_h * first, link - dh + b * dm_l * first
-    new_e = _energy_of_loads(new_hbm, new_link, fixed, weight, profile)
+    # energy = load energy + terminal value of the blocks out of HBM; i leaves, j enters
+    new_miss = miss + jnp.where(has_i, val[i], 0.0) - jnp.where(has_j, val[j], 0.0)
+    e = _energy_of_loads(hbm, link, fixed, weight, profile) + miss
+    new_e = _energy_of_loads(new_hbm, new_link, fixed, weight, profile) + new_miss
     de = new_e - e
     metropolis = jax.random.uniform(k_acc) < jnp.exp(
         -jnp.maximum(de, 0.0) / jnp.maximum(temp, 1e-30)
@@ -315,8 +362,9 @@ def _chain_step(
     moved = moved + jnp.where(accept, dmoved, 0)
     hbm = jnp.where(accept, new_hbm, hbm)
     link = jnp.where(accept, new_link, link)
+    miss = jnp.where(accept, new_miss, miss)
     e = jnp.where(accept, new_e, e)
-    return x, perm, count, moved, hbm, link, e, jax.random.key_data(k_next)
+    return x, perm, count, moved, hbm, link, miss, e, jax.random.key_data(k_next)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -331,13 +379,14 @@ def step(problem: AnnealProblem, state: AnnealState, config: AnnealConfig = Anne
         move_prob=config.move_prob,
         d=problem.demote_cost,
     )
-    over_chains = jax.vmap(chain, in_axes=(None,) * 6 + (0,) * 10)
-    over_layers = jax.vmap(over_chains, in_axes=(0, 0, 0, 0, None, None) + (0,) * 10)
-    x, perm, count, moved, hbm, link, e, key = over_layers(
+    over_chains = jax.vmap(chain, in_axes=(None,) * 7 + (0,) * 10)
+    over_layers = jax.vmap(over_chains, in_axes=(0, 0, 0, 0, 0, None, None) + (0,) * 10)
+    x, perm, count, moved, hbm, link, miss, e, key = over_layers(
         problem.forecast,
         problem.x0,
         problem.promote_hbm,
         problem.promote_link,
+        _value(problem),
         problem.fixed,
         problem.weight,
         state.x,
@@ -347,7 +396,7 @@ def step(problem: AnnealProblem, state: AnnealState, config: AnnealConfig = Anne
         state.moved,
         state.hbm,
         state.link,
-        state.energy,
+        state.miss,
         state.key,
         state.temperature,
     )
@@ -365,6 +414,7 @@ def step(problem: AnnealProblem, state: AnnealState, config: AnnealConfig = Anne
         moved=moved,
         hbm=hbm,
         link=link,
+        miss=miss,
         energy=e,
         best_x=best_x,
         best_energy=best_e,

@@ -15,7 +15,8 @@ B = 16384.0
 
 
 def problem(seed, n=12, w=8, cap=4, layers=1, invalid=0):
-    """Random instance: 0/1 forecasts, random x0, budget, demotion cost and piggybacks."""
+    """Random instance: 0/1 forecasts, random x0, budget, demotion cost and piggybacks; even
+    seeds add a terminal value on about half the blocks (odd seeds: none)."""
     r = np.random.default_rng(seed)
     a = (r.random((layers, w, n)) < r.random((layers, 1, n))).astype(np.float32)
     valid = np.ones((layers, n), bool)
@@ -36,6 +37,13 @@ def problem(seed, n=12, w=8, cap=4, layers=1, invalid=0):
         capacity=cap,
         budget=(3, 8)[seed % 2],
         demote_cost=float(seed % 2),
+        fixed_link=None if seed % 2 else jnp.asarray(r.uniform(0, 3, (layers, w)) * B, jnp.float32),
+        value=None
+        if seed % 2
+        else jnp.asarray(
+            (r.random((layers, n)) < 0.5) * r.uniform(0, 2, (layers, n)) * B / PROF.link_bandwidth,
+            jnp.float32,
+        ),
     )
 
 
@@ -95,8 +103,9 @@ def test_same_seed_same_answer():
     np.testing.assert_array_equal(e1, e2)
 
 
-def test_delta_energy_equals_full_recompute():
-    pr = problem(11, n=30, w=7, cap=9, layers=2)
+@pytest.mark.parametrize("seed", [10, 11])
+def test_delta_energy_equals_full_recompute(seed):
+    pr = problem(seed, n=30, w=7, cap=9, layers=2)
     cfg = AnnealConfig(chains=5)
     st = anneal.init(pr, jax.random.key(0), cfg)
     for _ in range(60):
@@ -123,3 +132,29 @@ def test_compiled_once_per_shape():
     assert anneal.run._cache_size() == size
     anneal.run(problem(0, n=13), jax.random.key(0))  # a new shape compiles once more
     assert anneal.run._cache_size() == size + 1
+
+
+def test_terminal_value_keeps_the_blocks_needed_soonest():
+    """With nothing read in the window, the terminal value alone decides what stays (Belady)."""
+    n, cap = 10, 3
+    v = np.zeros((1, n), np.float32)
+    v[0, [2, 5, 7, 8]] = np.array([4.0, 1.0, 3.0, 2.0]) * B / PROF.link_bandwidth
+    pr = anneal.AnnealProblem(
+        forecast=jnp.zeros((1, 4, n), jnp.float32),
+        x0=jnp.asarray(np.arange(n)[None] < cap),
+        valid=jnp.ones((1, n), bool),
+        fixed=jnp.full((4,), B, jnp.float32),
+        weight=jnp.ones((4,), jnp.float32),
+        promote_hbm=jnp.ones((1, n), jnp.float32),
+        promote_link=jnp.zeros((1, n), jnp.float32),  # promotions ride on reads: link-free
+        profile=PROF,
+        block_bytes=B,
+        capacity=cap,
+        value=jnp.asarray(v),
+    )
+    x, e, _ = anneal.run(pr, jax.random.key(0))
+    np.testing.assert_array_equal(np.flatnonzero(np.asarray(x[0])), [2, 7, 8])
+    assert float(e[0]) == pytest.approx(float(anneal.energy(pr, x)[0]), rel=1e-6)
+    assert float(e[0]) == pytest.approx(
+        float(anneal.energy(pr, jnp.asarray(np.isin(np.arange(n), [2, 7, 8]))[None])[0]), rel=1e-6
+    )
