@@ -329,7 +329,13 @@ class Decoder:
         mass = jnp.stack([s.mass for s in layer_stats])
         read = read_hbm | read_host
         L, N = c.num_layers, c.batch * c.max_blocks
-        stats = imp.update_stats(state.stats, read.reshape(L, N), mass.reshape(L, N), step)
+        stats = imp.update_stats(
+            state.stats,
+            read.reshape(L, N),
+            mass.reshape(L, N),
+            step,
+            state.cache.sealed.reshape(L, N),
+        )
         bb = float(c.block_bytes)
         hbm_b = read_hbm.sum(axis=(1, 2)) * bb  # [L]
         host_b = read_host.sum(axis=(1, 2)) * bb
@@ -382,6 +388,8 @@ class Decoder:
             mass_ema=state.stats.mass_ema,
             step=state.step,
             window_reads=state.stats.window_reads,
+            since_seen=state.stats.since_seen,
+            since_read=state.stats.since_read,
             capacity=c.hbm_pool_slots,
         )
         policy_state, target = self.policy.plan(state.policy_state, obs)

@@ -5,6 +5,9 @@ of layer l is read at step t of the coming window. Forecasters:
   oracle  - the true future reads (from a trace): the "perfect knowledge" of the oracles.
   ema     - decayed read frequency (`Stats.read_ema`), the same for every step of the window,
             sharpened by recency (a block read in the last step is likely read again soon).
+  reuse   - the trace's own re-read law, learned online: how often a block last read k steps
+            ago is read (`Stats.since_seen` / `since_read`, decayed counts per k), rolled forward
+            over the window as a Markov chain on k (`reuse_forecast`).
   quest   - the Quest bound q . max(k_min * q, k_max * q) of per-block key summaries and the
             current query, inside the decode loop: the top-k blocks by bound.
   learned - a logistic model over per-block features (EMA values, age, steps since last read,
@@ -26,6 +29,8 @@ import optax
 from jaxkv._pytree import pytree_dataclass, static_field
 
 READ_DECAY = 0.9  # per-step decay of read_ema and mass_ema
+REUSE_BUCKETS = 64  # steps-since-last-read classes of the reuse law: 1 .. 62, then ">= 63 / never"
+REUSE_DECAY = 0.98  # per-step decay of the reuse counts (forgets over about 50 steps)
 
 
 @pytree_dataclass
@@ -36,6 +41,10 @@ class Stats:
     read_ema: jax.Array  # [layers, N] float32: decayed read indicator (~ P(read) per step)
     mass_ema: jax.Array  # [layers, N] float32: decayed share of the step's attention mass
     window_reads: jax.Array  # [layers, N] float32: reads since the last plan
+    # [layers, REUSE_BUCKETS] float32: decayed counts of valid blocks whose last read was k steps
+    # before a step (k = bucket), and of those among them read at that step
+    since_seen: jax.Array | None = None
+    since_read: jax.Array | None = None
     decay: float = static_field(default=READ_DECAY)
 
 
@@ -47,11 +56,21 @@ def init_stats(num_layers: int, num_blocks: int, decay: float = READ_DECAY) -> S
         read_ema=jnp.zeros(shape, jnp.float32),
         mass_ema=jnp.zeros(shape, jnp.float32),
         window_reads=jnp.zeros(shape, jnp.float32),
+        since_seen=jnp.zeros((num_layers, REUSE_BUCKETS), jnp.float32),
+        since_read=jnp.zeros((num_layers, REUSE_BUCKETS), jnp.float32),
         decay=decay,
     )
 
 
-def update_stats(stats: Stats, reads, mass, step) -> Stats:
+def since_bucket(last_read, step):
+    """[layers, N] int32: steps since the last read as a reuse class, 1 .. REUSE_BUCKETS - 2, and
+    REUSE_BUCKETS - 1 for longer ago or never."""
+    k = REUSE_BUCKETS - 1
+    since = jnp.where(last_read >= 0, step - last_read, k)
+    return jnp.clip(since, 1, k).astype(jnp.int32)
+
+
+def update_stats(stats: Stats, reads, mass, step, valid=None) -> Stats:
     """Folds one step in.
 
     Args:
@@ -59,18 +78,60 @@ def update_stats(stats: Stats, reads, mass, step) -> Stats:
       reads: [layers, N] bool, blocks read at this step.
       mass: [layers, N] float32, attention mass at this step (any scale; normalized per layer).
       step: [] int32, the step.
+      valid: [layers, N] bool, the blocks that could be read (sealed); None = all. Only the
+        reuse counts use it.
     Returns:
       Stats.
     """
     d = stats.decay
     share = mass / jnp.maximum(jnp.sum(mass, axis=-1, keepdims=True), 1e-30)
+    seen, got = stats.since_seen, stats.since_read
+    if seen is not None:
+        hot = jax.nn.one_hot(since_bucket(stats.last_read, step), REUSE_BUCKETS, dtype=jnp.float32)
+        v = jnp.ones(reads.shape, jnp.float32) if valid is None else valid.astype(jnp.float32)
+        seen = REUSE_DECAY * seen + jnp.einsum("lnk,ln->lk", hot, v)
+        got = REUSE_DECAY * got + jnp.einsum("lnk,ln->lk", hot, v * reads)
     return Stats(
         last_read=jnp.where(reads, step, stats.last_read),
         read_ema=d * stats.read_ema + (1.0 - d) * reads,
         mass_ema=d * stats.mass_ema + (1.0 - d) * share,
         window_reads=stats.window_reads + reads,
+        since_seen=seen,
+        since_read=got,
         decay=d,
     )
+
+
+def reuse_forecast(since_seen, since_read, last_read, step, valid, wmax: int, prior=(0.5, 1.0)):
+    """Online forecast from the trace's own re-read law: [wmax, layers, N] float32.
+
+    h[k] = P(a block last read k steps ago is read now), from the decayed counts with a
+    Beta(prior) smoothing. A block's reuse class k then evolves as a Markov chain: read with
+    probability h[k] (k -> 1), else k -> k + 1 (capped); row j of the forecast is P(read at step
+    j of the window) from the block's class now. Exact when reads depend on the steps since the
+    last read only; learned per layer, online, from past reads alone.
+
+    Args:
+      since_seen, since_read: [layers, K] float32 (`Stats`).
+      last_read: [layers, N] int32; step: [] int32, the window's first step; valid: [layers, N].
+      wmax: rows (static).
+      prior: (a, b): h = (read + a) / (seen + a + b).
+    """
+    k = since_seen.shape[-1]
+    a, b = prior
+    h = (since_read + a) / (since_seen + a + b)  # [L, K]
+    nxt = jnp.minimum(jnp.arange(k) + 1, k - 1)  # class after a step without a read
+    # M[l, s, s'] = P(class s -> s'): a read sends s to class 1, no read to nxt[s]
+    m = h[..., None] * jax.nn.one_hot(1, k) + (1.0 - h)[..., None] * jax.nn.one_hot(nxt, k)
+    q = jnp.broadcast_to(jnp.eye(k, dtype=jnp.float32), h.shape[:1] + (k, k))
+
+    def body(q, _):  # q[l, k0, s]: P(class s at this step | class k0 now)
+        return jnp.einsum("lks,lst->lkt", q, m), jnp.einsum("lks,ls->lk", q, h)
+
+    _, table = jax.lax.scan(body, q, None, length=wmax)  # [wmax, L, K0]
+    cls = since_bucket(last_read, step)  # [L, N]
+    p = jnp.take_along_axis(table, jnp.broadcast_to(cls[None], (wmax,) + cls.shape), axis=-1)
+    return jnp.where(valid[None], p, 0.0)
 
 
 def oracle_forecast(future_reads, window: int | jax.Array | None = None):

@@ -39,6 +39,9 @@ class Observation:
     window_reads: jax.Array | None = None  # [layers, N] float32: reads since the last plan, if kept
     # [W, layers, N] float32: the future attention mass, if known
     forecast_mass: jax.Array | None = None
+    # [layers, K] float32: the reuse law's counts (`importance.Stats.since_seen / since_read`)
+    since_seen: jax.Array | None = None
+    since_read: jax.Array | None = None
     capacity: int = static_field(default=0)  # HBM pool slots per layer
 
 
@@ -215,12 +218,17 @@ class AnnealPolicyState:
     compensations: jax.Array  # [] int32: windows whose forecast error exceeded the threshold
 
 
+FORECASTS = ("ema", "reuse", "learned", "oracle")
+
+
 @dataclasses.dataclass(frozen=True)
 class Anneal:
     """Ours: simulated annealing over block placements against a forecast of the next W steps.
 
-    forecast: "ema" (online, from obs.read_ema / last_read), "learned" (online, the logistic model
-      in `learned`), or "oracle" (obs.forecast, the true future reads).
+    forecast: "ema" (online, from obs.read_ema / last_read), "reuse" (online, the re-read law
+      learned from past reads: `importance.reuse_forecast`; needs obs.since_seen / since_read),
+      "learned" (online, the logistic model in `learned`), or "oracle" (obs.forecast, the true
+      future reads).
     window: W, the steps the energy looks ahead (and, when interval = 0, between plans).
     interval: > 0 re-plans every `interval` steps over the next W (receding horizon); used by
       the simulator (`next_window`); the decode loop plans every PlacementConfig.window steps.
@@ -237,8 +245,19 @@ class Anneal:
       for reads the forecast misses (blocks entering the read set cross the link at least once
       whatever the plan; planning them at the full link rate overloads it, since the expected
       loads' max underestimates the expected max). Not applied to the oracle forecast.
+    unforeseen: with an online forecast, charge each step of the window the reads the forecast
+      cannot place as a link load no placement changes (`anneal.AnnealProblem.fixed_link`): the
+      blocks read per step (measured over the steps since the last plan) minus the forecast's
+      expected reads, times the share of unforecast blocks that live on host. Without it the
+      energy sees only the forecast's reads, underestimates the link's load whenever the read
+      set churns, and leaves HBM slots empty to balance a link it thinks idle.
     keep_fetched: price promoting a block read from host at the last step as the HBM write alone
       (the simulator's `keep_fetched`; the decode loop re-reads the host pool, so False there).
+    tail, tail_value, tail_decay: with the oracle forecast, the steps after the window whose
+      reads give the plan a terminal value (`anneal.AnnealProblem.value`): a block left out of
+      HBM whose next read falls at window step W + k costs tail_value x tail_decay^k x one
+      block's link transfer. Among placements the window cannot tell apart (the pool's spare
+      slots), the plan then keeps the blocks needed soonest, Belady's rule. 0 = off.
     The energy model (profile, block bytes, weights, demotion cost) should match the cost model
     the policy is judged by; the simulator passes its own.
     """
@@ -255,6 +274,10 @@ class Anneal:
     demote_cost: float = 0.0
     keep_fetched: bool = False  # promotions of blocks read at the last step need no link read
     link_reserve: float = 0.3
+    unforeseen: bool = False
+    tail: int = 0
+    tail_value: float = 0.5
+    tail_decay: float = 0.9
     budget: int | None = None
     config: AnnealConfig = AnnealConfig()
     adaptive: bool = False
@@ -270,12 +293,17 @@ class Anneal:
     seed: int = 0
 
     def __post_init__(self):
-        if self.forecast not in ("ema", "oracle", "learned"):
-            raise ValueError(
-                f"Anneal forecast must be 'ema', 'oracle' or 'learned', got {self.forecast!r}"
-            )
+        if self.forecast not in FORECASTS:
+            raise ValueError(f"Anneal forecast must be one of {FORECASTS}, got {self.forecast!r}")
         if not 0.0 <= self.link_reserve < 1.0:
             raise ValueError(f"Anneal link_reserve must lie in [0, 1), got {self.link_reserve!r}")
+        if self.tail < 0 or not 0.0 < self.tail_decay <= 1.0 or self.tail_value < 0.0:
+            raise ValueError(
+                f"Anneal tail must be >= 0, tail_decay in (0, 1], tail_value >= 0; got "
+                f"{self.tail!r}, {self.tail_decay!r}, {self.tail_value!r}"
+            )
+        if self.tail and self.forecast != "oracle":
+            raise ValueError(f"Anneal tail needs forecast='oracle', got {self.forecast!r}")
         if self.forecast == "learned" and self.learned is None:
             raise ValueError("Anneal forecast='learned' needs learned=(w_0, ..., w_5, b), got None")
 
@@ -291,7 +319,25 @@ class Anneal:
 
     @property
     def horizon(self) -> int:
+        """Future steps the plan needs forecast for: the (largest) window, then the tail."""
+        return self._energy_steps + self.tail
+
+    @property
+    def _energy_steps(self) -> int:
         return self.max_window if self.adaptive else self.window
+
+    def _tail_value(self, obs: Observation, h: int):
+        """[layers, N] seconds: the terminal value of each block from its next read after the
+        window's first `window` steps (see `tail`), or None."""
+        if not self.tail:
+            return None
+        f = obs.forecast[h : h + self.tail] > 0  # [tail, layers, N]
+        if f.shape[0] == 0:
+            return None
+        k = jnp.arange(f.shape[0], dtype=jnp.float32)[:, None, None]
+        first = jnp.min(jnp.where(f, k, jnp.inf), axis=0)  # steps after the window to the read
+        unit = self.block_bytes / self.profile.link_bandwidth
+        return jnp.where(obs.valid, self.tail_value * unit * self.tail_decay**first, 0.0)
 
     def init(self, num_layers: int, num_blocks: int):
         key = jax.random.key_data(jax.random.key(self.seed)).astype(jnp.uint32)
@@ -309,8 +355,19 @@ class Anneal:
         """Steps until the next plan: `interval` when set, else the current W."""
         return jnp.int32(self.interval) if self.interval > 0 else state.window
 
+    def _unforeseen_link(self, a, a0, obs: Observation, state: AnnealPolicyState):
+        """[layers, W] bytes: per step, the reads the forecast `a` [W, layers, N] does not place
+        (blocks read per step since the last plan minus the forecast's sum), times the share of
+        the blocks the forecast deems cold ((1 - a0)-weighted) that live on host."""
+        elapsed = jnp.maximum(self.next_window(state).astype(jnp.float32), 1.0)
+        per_step = jnp.sum(obs.window_reads, axis=-1) / elapsed  # [layers]
+        missing = jnp.maximum(per_step[None] - jnp.sum(a, axis=-1), 0.0)  # [W, layers]
+        cold = (1.0 - a0) * obs.valid
+        host = jnp.sum(cold * ~obs.in_hbm, -1) / jnp.maximum(jnp.sum(cold, -1), 1e-9)  # [layers]
+        return self.block_bytes * jnp.swapaxes(missing * host[None], 0, 1)
+
     def plan(self, state: AnnealPolicyState, obs: Observation):
-        h = self.horizon
+        h = self._energy_steps
         window, prev_hit = state.window, state.prev_hit
         wr = obs.window_reads
         if wr is not None and self.adaptive:
@@ -326,6 +383,15 @@ class Anneal:
             a = jnp.pad(a, ((0, h - a.shape[0]), (0, 0), (0, 0)))
         elif self.forecast == "ema":
             a = imp.ema_forecast(obs.read_ema, obs.last_read, obs.step, obs.valid, h)
+        elif self.forecast == "reuse":
+            if obs.since_seen is None or obs.since_read is None:
+                raise ValueError(
+                    "Anneal forecast='reuse' needs obs.since_seen and obs.since_read (the reuse "
+                    "counts of importance.Stats), got None"
+                )
+            a = imp.reuse_forecast(
+                obs.since_seen, obs.since_read, obs.last_read, obs.step, obs.valid, h
+            )
         else:
             stats = imp.Stats(obs.last_read, obs.read_ema, obs.mass_ema, obs.read_ema)
             feats = imp.features(stats, obs.step, obs.valid, self.prompt_len, self.block_size)
@@ -347,6 +413,9 @@ class Anneal:
             compensations = compensations + bad
         a = a * active[:, None, None]
         a0 = jnp.clip(a[0], 0.0, 1.0)
+        fixed_link = None
+        if self.unforeseen and self.forecast != "oracle" and wr is not None:
+            fixed_link = self._unforeseen_link(a, a0, obs, state) * active[None]
         kept = jnp.zeros_like(a0)
         if self.keep_fetched:
             kept = (imp.read_last_step(obs.last_read, obs.step) & ~obs.in_hbm).astype(jnp.float32)
@@ -365,6 +434,8 @@ class Anneal:
             capacity=obs.capacity,
             budget=self.budget if self.budget is not None else 1 << 30,
             demote_cost=float(self.demote_cost + self.hysteresis),
+            value=self._tail_value(obs, h),
+            fixed_link=fixed_link,
         )
         key, sub = jax.random.split(jax.random.wrap_key_data(state.key))
         x, _, _ = anneal.run(problem, sub, self.config)

@@ -21,9 +21,18 @@ The loop runs chunk by chunk (tqdm bar); each chunk is one jit-compiled `lax.sca
 policy, planning inside it with `lax.cond`; the reads of a chunk are computed once and shared.
 
 Policy names: those of `jaxkv.policies.POLICIES`, with modifiers for `anneal` / `anneal-oracle`:
-`+aw` (adaptive window) and `+ec` (forecast-error compensation), e.g. `anneal+aw+ec`.
+`+aw` (adaptive window) and `+ec` (forecast-error compensation), e.g. `anneal+aw+ec`; `anneal`
+also takes `+reuse` (the re-read law learned online as its forecast, `importance.reuse_forecast`,
+with the reads it cannot place charged to the link: `Anneal.unforeseen`).
 `paper-sa` runs every (lookahead, fraction) pair of `PAPER_SA_GRID` and reports the best (the
 oracle tuning of its two knobs). `unlimited` is the bound of `jaxkv.cost.unlimited_step_time`.
+
+Lower bounds (result["bounds"]): Unlimited; the capacity bound (`cost.capacity_bound_step_time`,
+free re-placement before every step); and the cache bound (`jaxkv.bounds`): a block not in HBM
+must cross the link before HBM can serve it, Belady's rule with bypass gives the fewest crossings
+F_l any placement needs per layer, and a layer's latency is at least max(Unlimited, F_l x block
+bytes / B_link) (best_s: the capacity bound in place of Unlimited). On traces whose read set
+churns this crossing traffic, not the capacity, is what limits every policy.
 
 Planning is not part of `latency_s` (the model's decode time); `plan_seconds` is the compiled
 plan time measured on the present device times the number of plans, and
@@ -41,7 +50,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxkv import bounds as bnd
 from jaxkv import cost
 from jaxkv import importance as imp
 from jaxkv._pytree import pytree_dataclass, static_field
@@ -173,6 +184,8 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0):
                 forecast=fc,
                 forecast_mass=fm,
                 window_reads=stats.window_reads,
+                since_seen=stats.since_seen,
+                since_read=stats.since_read,
                 capacity=s.capacity,
             )
             pstate, target = policy.plan(pstate, obs)
@@ -211,7 +224,7 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0):
             hbm_migration_bytes=mig_h,
             link_migration_bytes=mig_l,
         )
-        stats = imp.update_stats(stats, r, mass[c], t)
+        stats = imp.update_stats(stats, r, mass[c], t, valid)
         return SimState(
             in_hbm,
             stats,
@@ -230,7 +243,8 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0):
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _bounds(setup: Setup, reads, t0):
-    """Unlimited and capacity bounds of a chunk: reads [n, L, N] bool -> two [] float32 sums."""
+    """Per-layer bounds of a chunk: reads [n, L, N] bool -> Unlimited and capacity sums over the
+    steps, [L] float32 each."""
     s = setup
     t = t0 + jnp.arange(reads.shape[0])
     tail = s.token_bytes * ((s.prompt_len + t) % s.block_size + 1)  # [n]
@@ -238,7 +252,10 @@ def _bounds(setup: Setup, reads, t0):
     kw = dict(profile=s.profile, weight_bytes=s.weight_bytes, hbm_write_bytes=float(s.token_bytes))
     unl = cost.unlimited_step_time(rb, **kw)
     cap = cost.capacity_bound_step_time(rb, s.capacity * s.block_bytes + tail[:, None], **kw)
-    return jnp.sum(unl), jnp.sum(cap)
+    return jnp.sum(unl, 0), jnp.sum(cap, 0)
+
+
+_pack = jax.jit(functools.partial(jnp.packbits, axis=-1))  # [n, L, N] bool -> [n, L, N / 8] u8
 
 
 def make_policy(
@@ -264,16 +281,20 @@ def make_policy(
     if base not in POLICIES:
         raise ValueError(
             f"unknown policy {name!r}; expected one of {sorted(POLICIES)} "
-            "(anneal / anneal-oracle take +aw, +ec)"
+            "(anneal / anneal-oracle take +aw, +ec; anneal also +reuse)"
         )
     if mods and base not in ("anneal", "anneal-oracle"):
         raise ValueError(
             f"policy {name!r}: modifiers +aw/+ec apply to anneal and anneal-oracle "
             f"only, not {base!r}"
         )
-    bad = [m for m in mods if m not in ("aw", "ec")]
+    bad = [m for m in mods if m not in ("aw", "ec", "reuse")]
     if bad:
-        raise ValueError(f"policy {name!r}: unknown modifier {bad[0]!r}; expected 'aw' or 'ec'")
+        raise ValueError(
+            f"policy {name!r}: unknown modifier {bad[0]!r}; expected 'aw', 'ec' or 'reuse'"
+        )
+    if "reuse" in mods and base != "anneal":
+        raise ValueError(f"policy {name!r}: +reuse is an online forecast, for anneal only")
     if base == "page":
         return get_policy("page", page_blocks=max(1, 16 // setup.block_size))
     if base in ("anneal", "anneal-oracle"):
@@ -288,6 +309,11 @@ def make_policy(
             demote_cost=setup.demote_cost,
             keep_fetched=setup.keep_fetched,
             adaptive="aw" in mods,
+            # +reuse: the re-read law learned online, with the reads it cannot place charged to
+            # the link (`unforeseen`) in place of the fixed link reserve
+            **(
+                dict(forecast="reuse", unforeseen=True, link_reserve=0.0) if "reuse" in mods else {}
+            ),
             compensate="ec" in mods,
             prompt_len=setup.prompt_len,
             block_size=setup.block_size,
@@ -340,6 +366,8 @@ def _time_plan(policy, state: SimState, setup: Setup, reads_buf, t, repeats: int
         forecast=fc,
         window_reads=st.window_reads,
         forecast_mass=None if fc is None else jnp.zeros_like(fc),
+        since_seen=st.since_seen,
+        since_read=st.since_read,
         capacity=setup.capacity,
     )
     fn = jax.jit(lambda p, o: policy.plan(p, o))
@@ -369,12 +397,14 @@ def simulate(
     discount: float = 0.8,
     oracle_window: int = 3,
     oracle_discount: float = 1.0,
+    oracle_tail: int = 0,
     anneal_config: AnnealConfig | None = None,
     paper_sa_grid=PAPER_SA_GRID,
     steps: int | None = None,
     progress: bool = True,
     seed: int = 0,
     time_plans: bool = True,
+    cache_bound_max_bytes: float = 1e9,
 ) -> dict:
     """Runs every policy over the trace and returns the table.
 
@@ -394,15 +424,26 @@ def simulate(
         (receding horizon) and per-step discount.
       oracle_window, oracle_discount: W and discount of anneal-oracle (with the true future a
         short lookahead wins: a plan is one placement for its whole lookahead).
+      oracle_tail: anneal-oracle's steps after its window that give the plan a terminal value
+        (`jaxkv.policies.Anneal.tail`; 0 = off).
       anneal_config: schedule of the anneal policies.
       paper_sa_grid: (lookaheads, fractions) searched for paper-sa.
       steps: simulate the first `steps` steps only.
       progress: tqdm bar over chunks.
       seed: anneal seed.
       time_plans: measure one compiled plan per policy (plan_seconds; 0 when False).
+      cache_bound_max_bytes: the cache bound keeps every step's reads bit-packed (steps x
+        layers x N / 8 bytes); above this it is skipped (cache_s and best_s None).
     Returns:
       {"policies": {name: {latency_s, tokens_per_s, speedup_vs_static, vs_unlimited,
         hbm_hit_rate, migrated_bytes, plan_seconds, ...}}, "bounds": {...}, "setup": {...}}.
+      Bounds (lower bounds on every policy's latency_s, seconds summed over layers):
+      unlimited_s (`cost.unlimited_step_time`), capacity_s (`cost.capacity_bound_step_time`),
+      cache_s (Unlimited or the fewest link crossings x block bytes / B_link, whichever is
+      larger, per layer: `jaxkv.bounds`), best_s (the same with the capacity bound in place of
+      Unlimited, >= both), cache_crossings (the fewest crossings, per layer), cache_note (why
+      cache_s is None, else absent) and cache_wall_s (seconds spent on the cache bound: packing
+      the reads and Belady).
     """
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity must lie in [0, 1), got {sparsity!r}")
@@ -436,12 +477,19 @@ def simulate(
             interval=interval,
             discount=oracle_discount if oracle else discount,
             seed=seed,
+            **(dict(tail=oracle_tail) if oracle and oracle_tail else {}),
         )
     n_steps = min(steps or trace.steps, trace.steps)
     horizon = max([getattr(p, "horizon", 1) for p in pols.values()] + [1])
     states = {n: init_state(p, setup) for n, p in pols.items()}
     acc = {n: dict(latency=0.0, hbm=0.0, reads=0.0, migrated=0.0, plans=0, wall=0.0) for n in names}
-    unl = capb = 0.0
+    L = setup.num_layers
+    unl_l, cap_l = np.zeros(L), np.zeros(L)
+    pack_bytes = bnd.PackedReads.nbytes(n_steps, L, setup.num_blocks)
+    packed = None
+    if pack_bytes <= cache_bound_max_bytes:
+        packed = bnd.PackedReads(n_steps, L, setup.num_blocks)
+    bound_wall = 0.0
     bar = range(0, n_steps, chunk)
     if progress:
         from tqdm import tqdm
@@ -454,7 +502,12 @@ def simulate(
         live = (t0 + jnp.arange(c + horizon) < n_steps)[:, None, None]
         reads = reads & live
         u, cb = _bounds(setup, reads[:c], jnp.int32(t0))
-        unl, capb = unl + float(u), capb + float(cb)
+        unl_l += np.asarray(u, np.float64)
+        cap_l += np.asarray(cb, np.float64)
+        if packed is not None:
+            w0 = time.perf_counter()
+            packed.put(t0, _pack(reads[:c]))
+            bound_wall += time.perf_counter() - w0
         for n in names:
             w0 = time.perf_counter()
             st = run_chunk(setup, c, states[n], reads, mass, jnp.int32(t0))
@@ -466,6 +519,27 @@ def simulate(
             a["plans"] += int(st.plans)
             a["wall"] += time.perf_counter() - w0
             states[n] = st
+    unl, capb = float(unl_l.sum()), float(cap_l.sum())
+    bounds = {"unlimited_s": unl, "capacity_s": capb, "cache_s": None, "best_s": None}
+    w0 = time.perf_counter()
+    if packed is None:
+        bounds["cache_note"] = (
+            f"skipped: the packed reads would take {pack_bytes / 1e9:.2f} GB "
+            f"> {cache_bound_max_bytes / 1e9:.2f} GB"
+        )
+    else:
+        f = bnd.min_link_crossings(
+            packed,
+            bnd.initial_hbm(setup.prompt_len, setup.block_size, setup.num_blocks, setup.capacity),
+            bnd.new_blocks(setup.prompt_len, setup.block_size, n_steps, setup.num_blocks),
+            setup.capacity,
+        )
+        del packed
+        bl = (setup.block_bytes, profile.link_bandwidth)
+        bounds["cache_s"] = float(bnd.cache_bound_seconds(f, unl_l, *bl).sum())
+        bounds["best_s"] = float(bnd.cache_bound_seconds(f, np.maximum(cap_l, unl_l), *bl).sum())
+        bounds["cache_crossings"] = [int(x) for x in f]
+    bounds["cache_wall_s"] = bound_wall + time.perf_counter() - w0
     out = {}
     for n in names:
         a = acc[n]
@@ -504,7 +578,7 @@ def simulate(
     order = [p for p in policies if p in out]
     return {
         "policies": {p: out[p] for p in order},
-        "bounds": {"unlimited_s": unl, "capacity_s": capb},
+        "bounds": bounds,
         "setup": {
             "trace": trace.name,
             "steps": n_steps,

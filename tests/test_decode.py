@@ -80,6 +80,24 @@ def test_any_placement_gives_all_hbm_tokens(tiny, all_hbm_tokens, policy, hbm, b
     assert 0.0 < s["hbm_hit_rate"] < 1.0 and s["modeled_seconds"] > 0
 
 
+def test_reuse_forecast_in_live_decode_is_lossless_and_learns(tiny, all_hbm_tokens):
+    """anneal with the online re-read law (as `anneal+reuse` in the simulator): the decode loop
+    feeds it the reuse counts, placement never changes the tokens."""
+    model, params = tiny
+    kw = dict(forecast="reuse", unforeseen=True, link_reserve=0.0)
+    dec = Decoder(
+        model,
+        _cfg(model, hbm=0.25),
+        PlacementConfig(policy="anneal", window=3),
+        max_new_tokens=NEW,
+        policy_kwargs=kw,
+    )
+    state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
+    kvc.check_invariants(state.cache)
+    np.testing.assert_array_equal(np.asarray(state.tokens), all_hbm_tokens)
+    assert float(state.stats.since_seen.sum()) > 0 and float(state.stats.since_read.sum()) > 0
+
+
 @pytest.mark.parametrize("policy,window", [("lru", 2), ("anneal", 4)])
 def test_policy_migrates_under_sparse_attention(tiny, policy, window):
     model, params = tiny

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxkv import importance as imp
 from jaxkv import trace as tr
@@ -20,6 +21,72 @@ def test_update_stats():
     s = imp.update_stats(s, ~reads, mass * 0, jnp.int32(8))
     np.testing.assert_array_equal(s.last_read, [[7, 8, 7]])
     np.testing.assert_allclose(s.read_ema, [[0.25, 0.5, 0.25]])
+
+
+def test_reuse_counts_by_steps_since_the_last_read():
+    s = imp.init_stats(1, 4)
+    d = imp.REUSE_DECAY
+    valid = jnp.asarray([[True, True, True, False]])
+    s = imp.update_stats(s, jnp.asarray([[True, True, False, False]]), jnp.ones((1, 4)), 0, valid)
+    # step 0: the three valid blocks were never read: class K - 1, two of them read
+    k = imp.REUSE_BUCKETS - 1
+    assert float(s.since_seen[0, k]) == 3 and float(s.since_read[0, k]) == 2
+    s = imp.update_stats(s, jnp.asarray([[True, False, False, True]]), jnp.ones((1, 4)), 1, valid)
+    # step 1: blocks 0, 1 were read 1 step ago (block 0 again), block 2 never; block 3 invalid
+    np.testing.assert_allclose(s.since_seen[0, [1, k]], [2, 3 * d + 1])
+    np.testing.assert_allclose(s.since_read[0, [1, k]], [1, 2 * d])
+    assert float(s.since_seen.sum()) == pytest.approx(2 + 3 * d + 1)
+
+
+def test_reuse_forecast_rolls_the_reread_law_forward():
+    """Row j = P(read at step j) of a Markov chain on steps-since-last-read."""
+    k = imp.REUSE_BUCKETS
+    h = np.full(k, 0.1)
+    h[1], h[2], h[3] = 0.8, 0.05, 0.5
+    seen = np.full((1, k), 1e6, np.float32)
+    read = (h * 1e6 - 0.5).astype(np.float32)[None]  # with the prior (0.5, 1.0): h exactly
+    last = jnp.asarray([[9, 7, -1]], jnp.int32)  # at step 10: classes 1, 3, K - 1
+    f = np.asarray(imp.reuse_forecast(seen, read, last, 10, jnp.ones((1, 3), bool), 3))
+
+    def chain(c, steps):
+        p, out = {c: 1.0}, []
+        for _ in range(steps):
+            out.append(sum(q * h[s] for s, q in p.items()))
+            nxt = {}
+            for s, q in p.items():
+                nxt[1] = nxt.get(1, 0.0) + q * h[s]
+                t = min(s + 1, k - 1)
+                nxt[t] = nxt.get(t, 0.0) + q * (1 - h[s])
+            p = nxt
+        return out
+
+    for i, c in enumerate([1, 3, k - 1]):
+        np.testing.assert_allclose(f[:, 0, i], chain(c, 3), rtol=1e-4)
+
+
+def test_reuse_forecast_learns_a_trace_law_online():
+    """Reads drawn from a known law of the steps since the last read are learned back."""
+    r = np.random.default_rng(0)
+    n, steps = 400, 300
+    law = {1: 0.9, 2: 0.02}  # stay read with 0.9; once dropped, rarely back; else 0.1
+    s = imp.init_stats(1, n)
+    last = np.full(n, -1)
+    for t in range(steps):
+        since = np.where(last >= 0, t - last, 99)
+        p = np.array([law.get(int(x), 0.1) for x in since])
+        reads = r.random(n) < p
+        s = imp.update_stats(s, jnp.asarray(reads[None]), jnp.ones((1, n)), t)
+        last = np.where(reads, t, last)
+    f = np.asarray(
+        imp.reuse_forecast(
+            s.since_seen, s.since_read, s.last_read, steps, jnp.ones((1, n), bool), 2
+        )
+    )
+    since = np.where(last >= 0, steps - last, 99)
+    assert abs(f[0, 0, since == 1].mean() - 0.9) < 0.03
+    assert abs(f[0, 0, since == 2].mean() - 0.02) < 0.03
+    # two steps ahead from class 1: read (0.9 * 0.9) or dropped then back (0.1 * 0.02)
+    assert abs(f[1, 0, since == 1].mean() - (0.81 + 0.002)) < 0.04
 
 
 def test_oracle_forecast_masks_rows_past_the_window():

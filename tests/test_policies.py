@@ -1,5 +1,7 @@
 """Policies: the interface contract under jit for every policy, and each policy's rule."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,6 +33,8 @@ def observation(seed=0, forecast=True, window_reads=True):
         window_reads=jnp.asarray(r.integers(0, 3, (L, N)) * valid, jnp.float32)
         if window_reads
         else None,
+        since_seen=jnp.asarray(r.uniform(5, 50, (L, 64)), jnp.float32),
+        since_read=jnp.asarray(r.uniform(0, 5, (L, 64)), jnp.float32),
         capacity=CAP,
     )
 
@@ -44,6 +48,8 @@ ALL = {
     "anneal": P.Anneal(window=H, config=FAST),
     "anneal+aw+ec": P.Anneal(window=H, max_window=H, adaptive=True, compensate=True, config=FAST),
     "anneal-oracle": P.Anneal(name="anneal-oracle", forecast="oracle", window=H, config=FAST),
+    "anneal-oracle+tail": P.Anneal(forecast="oracle", window=2, tail=H - 2, config=FAST),
+    "anneal+reuse": P.Anneal(forecast="reuse", unforeseen=True, window=H, config=FAST),
     "anneal-learned": P.Anneal(
         forecast="learned", learned=(1.0, 0, 0, 0, 0, 0, -1.0), window=H, config=FAST
     ),
@@ -161,8 +167,51 @@ def test_unknown_policy_lists_names():
 
 
 def test_bad_forecast_kind():
-    with pytest.raises(ValueError, match=r"forecast must be 'ema', 'oracle' or 'learned', got 'x'"):
+    with pytest.raises(ValueError, match=r"forecast must be one of \('ema', 'reuse', .*got 'x'"):
         P.Anneal(forecast="x")
+
+
+def test_reuse_needs_the_reuse_counts():
+    obs = dataclasses.replace(observation(), since_seen=None)
+    pol = P.Anneal(forecast="reuse", window=H, config=FAST)
+    with pytest.raises(ValueError, match=r"forecast='reuse' needs obs.since_seen"):
+        pol.plan(pol.init(L, N), obs)
+
+
+def test_bad_tail():
+    with pytest.raises(ValueError, match=r"tail needs forecast='oracle', got 'ema'"):
+        P.Anneal(tail=4)
+    with pytest.raises(ValueError, match=r"tail must be >= 0, tail_decay in \(0, 1\]"):
+        P.Anneal(forecast="oracle", tail=4, tail_decay=0.0)
+
+
+def test_tail_value_prices_the_next_read_after_the_window():
+    obs = observation()
+    pol = P.Anneal(forecast="oracle", window=2, tail=3, tail_value=0.5, tail_decay=0.5)
+    v = np.asarray(pol._tail_value(obs, 2))
+    f = np.asarray(obs.forecast)[2:5] > 0  # the tail steps, [3, L, N]
+    unit = pol.block_bytes / pol.profile.link_bandwidth
+    for li, i in [(0, 0), (0, 5), (1, 7), (1, 19), (0, 22)]:
+        hits = np.flatnonzero(f[:, li, i])
+        want = 0.5 * unit * 0.5 ** hits[0] if hits.size and obs.valid[li, i] else 0.0
+        assert v[li, i] == pytest.approx(want)
+
+
+def test_unforeseen_charges_the_reads_the_forecast_cannot_place():
+    """Reads per step since the last plan minus the forecast's sum, times the host share of the
+    (1 - a0)-weighted cold blocks, in bytes, on every step of the window."""
+    obs = observation()
+    pol = P.Anneal(forecast="ema", window=H, interval=1, unforeseen=True)
+    state = pol.init(L, N)
+    a = jnp.full((H, L, N), 0.1, jnp.float32) * obs.valid[None]
+    a0 = a[0]
+    got = np.asarray(pol._unforeseen_link(a, a0, obs, state))  # [L, H]
+    wr, valid, hbm = (np.asarray(x) for x in (obs.window_reads, obs.valid, obs.in_hbm))
+    for li in range(L):
+        missing = max(wr[li].sum() / 1.0 - 0.1 * valid[li].sum(), 0.0)
+        cold = 0.9 * valid[li]
+        share = (cold * ~hbm[li]).sum() / cold.sum()
+        np.testing.assert_allclose(got[li], pol.block_bytes * missing * share, rtol=1e-5)
 
 
 def test_bad_link_reserve():

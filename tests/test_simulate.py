@@ -85,7 +85,16 @@ def test_read_mask_takes_top_fraction_of_sealed_blocks():
 
 
 FAST = AnnealConfig(chains=4, max_iters=100)
-NAMES = ["static", "lru", "page", "paper-sa", "anneal", "anneal-oracle", "anneal+aw+ec"]
+NAMES = [
+    "static",
+    "lru",
+    "page",
+    "paper-sa",
+    "anneal",
+    "anneal-oracle",
+    "anneal+aw+ec",
+    "anneal+reuse",
+]
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
@@ -216,8 +225,10 @@ def test_cli_unknown_policy_lists_names(capsys):
 
 
 def test_unknown_modifier():
-    with pytest.raises(ValueError, match=r"unknown modifier 'xx'; expected 'aw' or 'ec'"):
+    with pytest.raises(ValueError, match=r"unknown modifier 'xx'; expected 'aw', 'ec' or 'reuse'"):
         run(["anneal+xx"])
+    with pytest.raises(ValueError, match=r"\+reuse is an online forecast, for anneal only"):
+        run(["anneal-oracle+reuse"])
 
 
 def test_modifier_on_wrong_policy():
