@@ -295,6 +295,7 @@ def _chain_step(
     hbm,
     link,
     miss,
+    e,
     key,
     temp,
     *,
@@ -305,7 +306,8 @@ def _chain_step(
     move_prob,
     d,
 ):
-    """One proposal for one chain. a: [W, N]; x0, ph, pl, val, x, perm: [N]; hbm, link: [W]."""
+    """One proposal for one chain. a: [W, N]; x0, ph, pl, val, x, perm: [N]; hbm, link: [W];
+    miss, e: [] (terminal value out of HBM, energy = load energy + miss)."""
     k_kind, k_p, k_q, k_dir, k_acc, k_next = jax.random.split(jax.random.wrap_key_data(key), 6)
     u = jax.random.uniform(k_kind)
     p = jnp.minimum((jax.random.uniform(k_p) * count).astype(jnp.int32), jnp.maximum(count - 1, 0))
@@ -341,9 +343,8 @@ def _chain_step(
     dh = b * (aj - ai)
     first = (jnp.arange(a.shape[0]) == 0).astype(jnp.float32)
     new_hbm, new_link = hbm + dh + b * dm_h * first, link - dh + b * dm_l * first
-    # energy = load energy + terminal value of the blocks out of HBM; i leaves, j enters
+    # i leaves HBM (its terminal value now counts), j enters (its value no longer does)
     new_miss = miss + jnp.where(has_i, val[i], 0.0) - jnp.where(has_j, val[j], 0.0)
-    e = _energy_of_loads(hbm, link, fixed, weight, profile) + miss
     new_e = _energy_of_loads(new_hbm, new_link, fixed, weight, profile) + new_miss
     de = new_e - e
     metropolis = jax.random.uniform(k_acc) < jnp.exp(
@@ -379,8 +380,8 @@ def step(problem: AnnealProblem, state: AnnealState, config: AnnealConfig = Anne
         move_prob=config.move_prob,
         d=problem.demote_cost,
     )
-    over_chains = jax.vmap(chain, in_axes=(None,) * 7 + (0,) * 10)
-    over_layers = jax.vmap(over_chains, in_axes=(0, 0, 0, 0, 0, None, None) + (0,) * 10)
+    over_chains = jax.vmap(chain, in_axes=(None,) * 7 + (0,) * 11)
+    over_layers = jax.vmap(over_chains, in_axes=(0, 0, 0, 0, 0, None, None) + (0,) * 11)
     x, perm, count, moved, hbm, link, miss, e, key = over_layers(
         problem.forecast,
         problem.x0,
@@ -397,6 +398,7 @@ def step(problem: AnnealProblem, state: AnnealState, config: AnnealConfig = Anne
         state.hbm,
         state.link,
         state.miss,
+        state.energy,
         state.key,
         state.temperature,
     )

@@ -86,11 +86,12 @@ def update_stats(stats: Stats, reads, mass, step, valid=None) -> Stats:
     d = stats.decay
     share = mass / jnp.maximum(jnp.sum(mass, axis=-1, keepdims=True), 1e-30)
     seen, got = stats.since_seen, stats.since_read
-    if seen is not None:
-        hot = jax.nn.one_hot(since_bucket(stats.last_read, step), REUSE_BUCKETS, dtype=jnp.float32)
+    if seen is not None:  # O(N) scatter-adds per (layer, class): this runs every decode step
+        cls = since_bucket(stats.last_read, step)
+        rows = jnp.arange(cls.shape[0])[:, None]
         v = jnp.ones(reads.shape, jnp.float32) if valid is None else valid.astype(jnp.float32)
-        seen = REUSE_DECAY * seen + jnp.einsum("lnk,ln->lk", hot, v)
-        got = REUSE_DECAY * got + jnp.einsum("lnk,ln->lk", hot, v * reads)
+        seen = (REUSE_DECAY * seen).at[rows, cls].add(v)
+        got = (REUSE_DECAY * got).at[rows, cls].add(v * reads)
     return Stats(
         last_read=jnp.where(reads, step, stats.last_read),
         read_ema=d * stats.read_ema + (1.0 - d) * reads,

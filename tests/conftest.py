@@ -61,3 +61,20 @@ def random_cache(
         cache, _ = kvc.migrate(cache, kvc.plan_moves(cache, target, shuffle_moves))
     dk, dv = kvc.to_dense(cache)
     return cache, dk, dv
+
+
+def random_block_trace(seed, steps=12, layers=2, k=10, prompt=40, block_size=4):
+    """A small validated block-level trace: k random block ids per (step, layer) within the
+    context, exponential attention mass (the simulator's property tests)."""
+    import numpy as np
+
+    from jaxkv import trace as tr
+
+    rng = np.random.default_rng(seed)
+    ids = np.full((steps, layers, k), -1, np.int32)
+    for t in range(steps):
+        ids[t] = rng.integers(0, tr.context_blocks(prompt, t, block_size), (layers, k))
+    mass = rng.exponential(1.0, (steps, layers, k)).astype(np.float32)
+    return tr.validate(
+        dict(version=1, prompt_len=prompt, block_size=block_size, ids=ids, mass=mass)
+    )

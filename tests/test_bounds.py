@@ -4,6 +4,7 @@ import itertools
 
 import numpy as np
 import pytest
+from conftest import random_block_trace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -193,15 +194,7 @@ GEOMETRIES = {"small": SMALL, "mid": MID, "paper": cost.get_geometry("paper")}
     keep_fetched=st.booleans(),
 )
 def test_no_policy_beats_the_cache_bound(seed, sparsity, cap, geometry, keep_fetched):
-    rng = np.random.default_rng(seed)
-    steps, layers, k = 12, 2, 10
-    prompt, bs = 40, 4
-    ids = np.full((steps, layers, k), -1, np.int32)
-    for t in range(steps):
-        nb = tr.context_blocks(prompt, t, bs)
-        ids[t] = rng.integers(0, nb, (layers, k))
-    mass = rng.exponential(1.0, (steps, layers, k)).astype(np.float32)
-    trace = tr.validate(dict(version=1, prompt_len=prompt, block_size=bs, ids=ids, mass=mass))
+    trace = random_block_trace(seed)
     res = sim.simulate(
         trace,
         NAMES + ["unlimited"],
