@@ -61,13 +61,13 @@ def row(res, names):
 
 def trace_stats(args) -> int:
     """Dynamics of traces (synthetic kinds or recorded .npz files): read-set swap per step,
-    re-read within 50 steps, 16-token page fill."""
+    re-read within 50 steps, 16-token page fill, leavers read again within 1 / 5 steps."""
     print(f"# trace stats: prompt {args.prompt_len}, {args.steps} steps, {args.layers} layers")
     print(
         "| trace | block | s | read set swapped per step | reads re-read within 50 steps "
-        "| page fill |"
+        "| page fill | leavers back within 1 / 5 steps |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for kind in (args.traces or ",".join(tr.SYNTHETIC_KINDS)).split(","):
         sizes = [int(b) for b in args.block_sizes.split(",")]
         for bs in [None] if kind.endswith(".npz") else sizes:
@@ -81,7 +81,8 @@ def trace_stats(args) -> int:
                 st = tr.read_stats(t, s, steps=args.steps)
                 print(
                     f"| {kind} | {t.block_size} | {s:g} | {100 * st['swap_per_step']:.1f}% | "
-                    f"{100 * st['reread_within_50']:.1f}% | {st['page_fill']:.2f} |"
+                    f"{100 * st['reread_within_50']:.1f}% | {st['page_fill']:.2f} | "
+                    f"{100 * st['leavers_back_1']:.0f}% / {100 * st['leavers_back_5']:.0f}% |"
                 )
     return 0
 
@@ -100,7 +101,9 @@ def main(argv=None) -> int:
     if args.table == "stats":
         return trace_stats(args)
     paper = args.table == "paper-shape"
-    traces = args.traces or ("recency-low" if paper else "recency-low,recency-high,patterns")
+    traces = args.traces or (
+        "real-like,recency-low" if paper else "recency-low,recency-high,patterns,real-like"
+    )
     sparsities = args.sparsities or ("0.6" if paper else "0.4,0.5,0.6,0.8")
     names = (args.policies or ",".join(PAPER if paper else OURS)).split(",")
     dev = jax.devices()[0]

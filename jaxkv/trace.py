@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SYNTHETIC_KINDS = ("recency-low", "recency-high", "patterns")
+SYNTHETIC_KINDS = ("recency-low", "recency-high", "patterns", "real-like")
 _REQUIRED = ("version", "prompt_len", "block_size", "ids", "mass")
 
 
@@ -166,6 +166,12 @@ class SyntheticTrace:
       recency-low: mass = recency(age) x lognormal noise; each block redraws its noise every
         `redraw` steps (staggered), so about 10% of the read set changes per step.
       recency-high: the same with a noise redrawn every step and larger spread.
+      real-like: recency x a slow noise (drifting over REAL_LIKE[0] steps) x a fast noise
+        redrawn every step, calibrated to a recorded token-level trace of the default model
+        (bench/RESULTS.md, "Trace dynamics"): at s = 0.6 about 30% of the read set swaps per
+        step, and about 45% of the blocks that leave it are read again two steps later
+        (borderline tokens flicker in and out of the top set, as the paper's Reactive figures
+        imply for its real trace); recency-low has 9% and 2%.
       patterns: the seed's mixture: steady-hot blocks (always heavy), intermittent bursts (on
         for a while, then off), late-long-tail blocks (old blocks that gain weight as decoding
         goes on), over a recency background.
@@ -206,6 +212,7 @@ class SyntheticTrace:
 
 
 SPAN_TOKENS = 32  # synthetic traces: tokens of one "passage" that is attended together
+REAL_LIKE = (12, 0.8, 0.6)  # real-like: slow-noise period (steps), slow and fast noise spreads
 SPAN_SHARE = 0.75  # share of a token's noise variance that its passage shares
 
 
@@ -242,6 +249,14 @@ def _synthetic_mass(tr: SyntheticTrace, t0, n: int):
         phase = jnp.floor(_hash(seed, layer, span, 2) * redraw).astype(jnp.int32)
         epoch = (t + phase) // redraw
         m = recency * sink * jnp.exp(sigma * noise(epoch))
+    elif tr.kind == "real-like":
+        period, _, _ = REAL_LIKE
+        u = (t + _hash(seed, layer, span, 2) * period) / period  # staggered per span
+        f = u - jnp.floor(u)
+        e = jnp.floor(u).astype(jnp.int32)
+        slow = ((1 - f) * noise(e) + f * noise(e + 1)) / jnp.sqrt((1 - f) ** 2 + f**2)
+        fast = noise(t, 10)
+        m = recency * sink * jnp.exp(REAL_LIKE[1] * slow + REAL_LIKE[2] * fast)
     else:
         kind_u = _hash(seed, layer, span, 3)
         steady = kind_u < 0.08
@@ -265,7 +280,7 @@ def parse_spec(
     """Builds a trace from a CLI spec: a .npz path or `synthetic:KIND`.
 
     Args:
-      spec: path or `synthetic:recency-low|recency-high|patterns`.
+      spec: path or `synthetic:KIND`, KIND one of SYNTHETIC_KINDS.
       prompt_len, steps, num_layers, block_size, seed: sizes of a synthetic trace (ignored for a
         file, whose own sizes rule).
     Returns:
@@ -291,13 +306,16 @@ def to_file_trace(trace, topk: int | None = None) -> FileTrace:
 
 
 def read_stats(trace, sparsity: float, steps: int | None = None) -> dict:
-    """Measures a trace's dynamics: read-set swap fraction per step and re-read within 50 steps.
+    """Measures a trace's dynamics: read-set swap per step, re-reads, page fill, flicker.
 
     Returns:
       {"swap_per_step": mean fraction of the read set replaced between consecutive steps,
        "reread_within_50": fraction of blocks read at some step that are read again within 50,
        "page_fill": of the 16-token pages a step reads from, the mean share of blocks read
-         (1.0: reads come in whole pages; at block sizes >= 16 every page is one block)}.
+         (1.0: reads come in whole pages; at block sizes >= 16 every page is one block),
+       "leavers_back_1" / "leavers_back_5": of the blocks that leave the read set (read at step
+         t, not at t + 1), the share read again by step t + 2 / t + 6 (flicker: high for real
+         attention, whose borderline tokens drift in and out of the top set)}.
     """
     n = min(steps or trace.steps, trace.steps)
     reads = np.asarray(read_mask(trace.mass(0, n), trace.prompt_len, trace.block_size, sparsity, 0))
@@ -309,6 +327,15 @@ def read_stats(trace, sparsity: float, steps: int | None = None) -> dict:
         later[:-d] |= reads[d:]
     first = reads[: n - horizon] if n > horizon else reads
     rr = (first & later[: first.shape[0]]).sum() / max(first.sum(), 1)
+    # leavers: blocks read at step t and not at t + 1; the share read again within d more steps
+    left = a & ~b
+    back = {}
+    for d in (1, 5):
+        again = np.zeros_like(left)
+        for k in range(1, d + 1):
+            again[: n - 1 - k] |= reads[1 + k :]
+        m = max(n - 1 - d, 0)
+        back[d] = float((left & again)[:m].sum() / max(left[:m].sum(), 1))
     # page fill: of the 16-token pages a step touches, the mean share of tokens it reads
     g = max(1, 16 // trace.block_size)
     pad = -reads.shape[-1] % g
@@ -319,6 +346,8 @@ def read_stats(trace, sparsity: float, steps: int | None = None) -> dict:
         "swap_per_step": float(swap.mean()),
         "reread_within_50": float(rr),
         "page_fill": float(fill[touched > 0].mean()),
+        "leavers_back_1": back[1],
+        "leavers_back_5": back[5],
         "blocks": int(trace.num_blocks),
         "steps": int(n),
     }

@@ -118,6 +118,45 @@ def test_synthetic_dynamics_match_their_descriptions():
     assert high["swap_per_step"] > 3 * low["swap_per_step"]
 
 
+def test_synthetic_real_like_flickers_like_a_recorded_trace():
+    # real-like is calibrated to a recorded token-level trace (RESULTS, "Trace dynamics"): about
+    # 30% swapped per step at s = 0.6, and leavers often back two steps later; recency-low's
+    # leavers stay away (its noise is redrawn every 6 steps).
+    real, low = (
+        tr.read_stats(tr.SyntheticTrace(k, 4000, 120, 2, 16), 0.6)
+        for k in ("real-like", "recency-low")
+    )
+    assert 0.2 < real["swap_per_step"] < 0.4, real
+    assert real["leavers_back_1"] > 0.3 and real["leavers_back_5"] > 0.6, real
+    assert low["leavers_back_1"] < 0.1, low
+
+
+def test_read_stats_leavers_by_hand():
+    # four prompt blocks; every block with mass is read (s = 0). Rows: steps 0..7.
+    reads = np.array(
+        [
+            [1, 1, 1, 0],
+            [1, 0, 1, 0],
+            [0, 0, 1, 1],
+            [1, 0, 1, 0],
+            [0, 0, 1, 0],
+            [0, 0, 1, 0],
+            [0, 1, 1, 0],
+            [0, 0, 1, 0],
+        ]
+    )
+    ids = np.where(reads > 0, np.arange(4), -1).astype(np.int32)[:, None, :]
+    t = tr.validate(
+        fields(prompt_len=np.int64(4), ids=ids, mass=reads[:, None, :].astype(np.float32))
+    )
+    st = tr.read_stats(t, 0.0)
+    # within 1 (counted for leavers at t < 6): block 0 at t=1 is back at 3; block 0 at t=3,
+    # block 1 at t=0 and block 3 at t=2 are not -> 1/4. Within 5 (t < 2): block 0 at t=1 (back
+    # at 3) and block 1 at t=0 (back at 6) -> 2/2.
+    assert st["leavers_back_1"] == pytest.approx(0.25)
+    assert st["leavers_back_5"] == pytest.approx(1.0)
+
+
 def test_to_file_trace_round_trips_synthetic(tmp_path):
     s = tr.SyntheticTrace("patterns", prompt_len=40, steps=6, num_layers=2, block_size=8)
     f = tr.to_file_trace(s)
