@@ -6,8 +6,9 @@ of layer l is read at step t of the coming window. Forecasters:
   ema     - decayed read frequency (`Stats.read_ema`), the same for every step of the window,
             sharpened by recency (a block read in the last step is likely read again soon).
   reuse   - the trace's own re-read law, learned online: how often a block last read k steps
-            ago is read (`Stats.since_seen` / `since_read`, decayed counts per k), rolled forward
-            over the window as a Markov chain on k (`reuse_forecast`).
+            ago, of read frequency bin e, is read (`Stats.since_seen` / `since_read`, decayed
+            counts per (e, k)), rolled forward over the window as a Markov chain on k
+            (`reuse_forecast`).
   quest   - the Quest bound q . max(k_min * q, k_max * q) of per-block key summaries and the
             current query, inside the decode loop: the top-k blocks by bound.
   learned - a logistic model over per-block features (EMA values, age, steps since last read,
@@ -31,6 +32,8 @@ from jaxkv._pytree import pytree_dataclass, static_field
 READ_DECAY = 0.9  # per-step decay of read_ema and mass_ema
 REUSE_BUCKETS = 64  # steps-since-last-read classes of the reuse law: 1 .. 62, then ">= 63 / never"
 REUSE_DECAY = 0.98  # per-step decay of the reuse counts (forgets over about 50 steps)
+POOL_WEIGHT = 2.0  # pseudo-counts pulling a frequency bin's re-read law to the pooled law
+REUSE_FREQ_BINS = 8  # read-frequency classes of the reuse law: read_ema in [e / 8, (e + 1) / 8)
 
 
 @pytree_dataclass
@@ -41,8 +44,9 @@ class Stats:
     read_ema: jax.Array  # [layers, N] float32: decayed read indicator (~ P(read) per step)
     mass_ema: jax.Array  # [layers, N] float32: decayed share of the step's attention mass
     window_reads: jax.Array  # [layers, N] float32: reads since the last plan
-    # [layers, REUSE_BUCKETS] float32: decayed counts of valid blocks whose last read was k steps
-    # before a step (k = bucket), and of those among them read at that step
+    # [layers, F x REUSE_BUCKETS] float32 (F = REUSE_FREQ_BINS): decayed counts of valid blocks of
+    # reuse class (e, k) at a step (read frequency bin e, last read k steps before: `reuse_class`),
+    # and of those among them read at that step
     since_seen: jax.Array | None = None
     since_read: jax.Array | None = None
     decay: float = static_field(default=READ_DECAY)
@@ -56,8 +60,8 @@ def init_stats(num_layers: int, num_blocks: int, decay: float = READ_DECAY) -> S
         read_ema=jnp.zeros(shape, jnp.float32),
         mass_ema=jnp.zeros(shape, jnp.float32),
         window_reads=jnp.zeros(shape, jnp.float32),
-        since_seen=jnp.zeros((num_layers, REUSE_BUCKETS), jnp.float32),
-        since_read=jnp.zeros((num_layers, REUSE_BUCKETS), jnp.float32),
+        since_seen=jnp.zeros((num_layers, REUSE_FREQ_BINS * REUSE_BUCKETS), jnp.float32),
+        since_read=jnp.zeros((num_layers, REUSE_FREQ_BINS * REUSE_BUCKETS), jnp.float32),
         decay=decay,
     )
 
@@ -87,7 +91,8 @@ def update_stats(stats: Stats, reads, mass, step, valid=None) -> Stats:
     share = mass / jnp.maximum(jnp.sum(mass, axis=-1, keepdims=True), 1e-30)
     seen, got = stats.since_seen, stats.since_read
     if seen is not None:  # O(N) scatter-adds per (layer, class): this runs every decode step
-        cls = since_bucket(stats.last_read, step)
+        f = seen.shape[-1] // REUSE_BUCKETS
+        cls = reuse_class(stats.last_read, stats.read_ema, step, f)
         rows = jnp.arange(cls.shape[0])[:, None]
         v = jnp.ones(reads.shape, jnp.float32) if valid is None else valid.astype(jnp.float32)
         seen = (REUSE_DECAY * seen).at[rows, cls].add(v)
@@ -103,34 +108,69 @@ def update_stats(stats: Stats, reads, mass, step, valid=None) -> Stats:
     )
 
 
-def reuse_forecast(since_seen, since_read, last_read, step, valid, wmax: int, prior=(0.5, 1.0)):
+def reuse_class(last_read, read_ema, step, freq_bins: int = REUSE_FREQ_BINS):
+    """[layers, N] int32: a block's reuse class e x REUSE_BUCKETS + k, with k = `since_bucket`
+    and e = its read-frequency bin, floor(read_ema x freq_bins) (0 when freq_bins = 1)."""
+    e = jnp.clip(jnp.floor(read_ema * freq_bins), 0, freq_bins - 1).astype(jnp.int32)
+    return e * REUSE_BUCKETS + since_bucket(last_read, step)
+
+
+def reuse_forecast(
+    since_seen,
+    since_read,
+    last_read,
+    step,
+    valid,
+    wmax: int,
+    prior=(0.5, 1.0),
+    read_ema=None,
+):
     """Online forecast from the trace's own re-read law: [wmax, layers, N] float32.
 
-    h[k] = P(a block last read k steps ago is read now), from the decayed counts with a
-    Beta(prior) smoothing. A block's reuse class k then evolves as a Markov chain: read with
-    probability h[k] (k -> 1), else k -> k + 1 (capped); row j of the forecast is P(read at step
-    j of the window) from the block's class now. Exact when reads depend on the steps since the
-    last read only; learned per layer, online, from past reads alone.
+    h[e, k] = P(a block of read-frequency bin e last read k steps ago is read now), from the
+    decayed counts: h[e, k] = (read[e, k] + POOL_WEIGHT x g[k]) / (seen[e, k] + POOL_WEIGHT),
+    with g[k] the law on k pooled over the bins, Beta(prior)-smoothed, so that a bin with thin
+    counts falls back on the pooled law. A block's class k then evolves as a Markov chain
+    (e held fixed over the window): read with probability h[e, k] (k -> 1), else k -> k + 1
+    (capped); row j of the forecast is P(read at step j of the window) from the block's class
+    now. Exact when reads depend on the steps since the last read and the bin only; learned per
+    layer, online, from past reads alone. The frequency bin separates a block that flickers in
+    and out of a hot set (read often, missed the last step) from one that left it.
 
     Args:
-      since_seen, since_read: [layers, K] float32 (`Stats`).
+      since_seen, since_read: [layers, F x K] float32 (`Stats`; K = REUSE_BUCKETS, F frequency
+        bins, 1 for the law on k alone).
       last_read: [layers, N] int32; step: [] int32, the window's first step; valid: [layers, N].
       wmax: rows (static).
-      prior: (a, b): h = (read + a) / (seen + a + b).
+      prior: (a, b): g = (read + a) / (seen + a + b) over all bins.
+      read_ema: [layers, N] float32 (`Stats.read_ema`), needed when F > 1.
     """
-    k = since_seen.shape[-1]
+    k = REUSE_BUCKETS
+    f = since_seen.shape[-1] // k
+    if f * k != since_seen.shape[-1]:
+        raise ValueError(
+            f"reuse counts must have F x {k} classes per layer, got {since_seen.shape[-1]}"
+        )
+    if f > 1 and read_ema is None:
+        raise ValueError(f"reuse_forecast with {f} frequency bins needs read_ema, got None")
     a, b = prior
-    h = (since_read + a) / (since_seen + a + b)  # [L, K]
+    seen = since_seen.reshape(since_seen.shape[0], f, k)
+    got = since_read.reshape(since_read.shape[0], f, k)
+    pooled = (jnp.sum(got, 1) + a) / (jnp.sum(seen, 1) + a + b)  # [L, K]: the law on k alone
+    # each bin's law shrinks to the pooled one where its own counts are thin
+    h = (got + POOL_WEIGHT * pooled[:, None]) / (seen + POOL_WEIGHT)  # [L, F, K]
     nxt = jnp.minimum(jnp.arange(k) + 1, k - 1)  # class after a step without a read
-    # M[l, s, s'] = P(class s -> s'): a read sends s to class 1, no read to nxt[s]
+    # M[l, e, s, s'] = P(class s -> s'): a read sends s to class 1, no read to nxt[s]
     m = h[..., None] * jax.nn.one_hot(1, k) + (1.0 - h)[..., None] * jax.nn.one_hot(nxt, k)
-    q = jnp.broadcast_to(jnp.eye(k, dtype=jnp.float32), h.shape[:1] + (k, k))
+    q = jnp.broadcast_to(jnp.eye(k, dtype=jnp.float32), h.shape[:2] + (k, k))
 
-    def body(q, _):  # q[l, k0, s]: P(class s at this step | class k0 now)
-        return jnp.einsum("lks,lst->lkt", q, m), jnp.einsum("lks,ls->lk", q, h)
+    def body(q, _):  # q[l, e, k0, s]: P(class s at this step | class k0 now)
+        return jnp.einsum("leks,lest->lekt", q, m), jnp.einsum("leks,les->lek", q, h)
 
-    _, table = jax.lax.scan(body, q, None, length=wmax)  # [wmax, L, K0]
-    cls = since_bucket(last_read, step)  # [L, N]
+    _, table = jax.lax.scan(body, q, None, length=wmax)  # [wmax, L, F, K0]
+    table = table.reshape(wmax, h.shape[0], f * k)
+    ema = jnp.zeros(last_read.shape, jnp.float32) if read_ema is None else read_ema
+    cls = reuse_class(last_read, ema, step, f)  # [L, N]
     p = jnp.take_along_axis(table, jnp.broadcast_to(cls[None], (wmax,) + cls.shape), axis=-1)
     return jnp.where(valid[None], p, 0.0)
 

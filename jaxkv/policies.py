@@ -253,6 +253,13 @@ class Anneal:
       set churns, and leaves HBM slots empty to balance a link it thinks idle.
     keep_fetched: price promoting a block read from host at the last step as the HBM write alone
       (the simulator's `keep_fetched`; the decode loop re-reads the host pool, so False there).
+    ride: the share of later re-plans the energy credits (receding-horizon pricing). 0 prices
+      the plan as one placement held over the window: a block left on host is read over the
+      link at every forecast read. With ride r, a block left on host is, with weight r, promoted
+      at its first read after step 0 (that read crosses the link and carries the block to HBM:
+      one HBM write; its later reads hit), as the re-plan at that step can do when it knows the
+      read. So a prefetch is worth only the link timing it buys, not every read of the window.
+      The first-read probabilities treat steps as independent (exact for the 0/1 oracle).
     tail, tail_value, tail_decay: with the oracle forecast, the steps after the window whose
       reads give the plan a terminal value (`anneal.AnnealProblem.value`): a block left out of
       HBM whose next read falls at window step W + k costs tail_value x tail_decay^k x one
@@ -275,6 +282,7 @@ class Anneal:
     keep_fetched: bool = False  # promotions of blocks read at the last step need no link read
     link_reserve: float = 0.3
     unforeseen: bool = False
+    ride: float = 0.0
     tail: int = 0
     tail_value: float = 0.5
     tail_decay: float = 0.9
@@ -297,6 +305,8 @@ class Anneal:
             raise ValueError(f"Anneal forecast must be one of {FORECASTS}, got {self.forecast!r}")
         if not 0.0 <= self.link_reserve < 1.0:
             raise ValueError(f"Anneal link_reserve must lie in [0, 1), got {self.link_reserve!r}")
+        if not 0.0 <= self.ride <= 1.0:
+            raise ValueError(f"Anneal ride must lie in [0, 1], got {self.ride!r}")
         if self.tail < 0 or not 0.0 < self.tail_decay <= 1.0 or self.tail_value < 0.0:
             raise ValueError(
                 f"Anneal tail must be >= 0, tail_decay in (0, 1], tail_value >= 0; got "
@@ -366,6 +376,22 @@ class Anneal:
         host = jnp.sum(cold * ~obs.in_hbm, -1) / jnp.maximum(jnp.sum(cold, -1), 1e-9)  # [layers]
         return self.block_bytes * jnp.swapaxes(missing * host[None], 0, 1)
 
+    def _host_loads(self, a):
+        """host_hbm / host_link [layers, W, N] of `anneal.AnnealProblem` for forecast a [W,
+        layers, N] under `ride`: steps >= 1 mix the held placement (reads on the link) with the
+        promotion at the first read after step 0 (that read on the link, an HBM write, then
+        HBM reads)."""
+        p = jnp.clip(a, 0.0, 1.0)
+        later = (jnp.arange(a.shape[0]) >= 1)[:, None, None]
+        miss = jnp.where(later, 1.0 - p, 1.0)  # steps 1 .. t - 1 without a read
+        # product over steps 1 .. t - 1 (exclusive cumulative product; step 0's factor is 1)
+        before = jnp.concatenate([jnp.ones_like(miss[:1]), jnp.cumprod(miss, axis=0)[:-1]], 0)
+        first = jnp.where(later, p * before, 0.0)  # P(first read after step 0 is at step t)
+        r = self.ride
+        hh = jnp.where(later, r * a, 0.0)
+        hl = jnp.where(later, (1.0 - r) * a + r * first, a)
+        return dict(host_hbm=jnp.swapaxes(hh, 0, 1), host_link=jnp.swapaxes(hl, 0, 1))
+
     def plan(self, state: AnnealPolicyState, obs: Observation):
         h = self._energy_steps
         window, prev_hit = state.window, state.prev_hit
@@ -390,7 +416,13 @@ class Anneal:
                     "counts of importance.Stats), got None"
                 )
             a = imp.reuse_forecast(
-                obs.since_seen, obs.since_read, obs.last_read, obs.step, obs.valid, h
+                obs.since_seen,
+                obs.since_read,
+                obs.last_read,
+                obs.step,
+                obs.valid,
+                h,
+                read_ema=obs.read_ema,
             )
         else:
             stats = imp.Stats(obs.last_read, obs.read_ema, obs.mass_ema, obs.read_ema)
@@ -419,7 +451,9 @@ class Anneal:
         kept = jnp.zeros_like(a0)
         if self.keep_fetched:
             kept = (imp.read_last_step(obs.last_read, obs.step) & ~obs.in_hbm).astype(jnp.float32)
+        host = self._host_loads(a) if self.ride > 0.0 else {}
         problem = anneal.AnnealProblem(
+            **host,
             forecast=jnp.swapaxes(a, 0, 1),
             x0=obs.in_hbm & obs.valid,
             valid=obs.valid,

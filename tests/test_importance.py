@@ -1,5 +1,7 @@
 """Statistics and forecasters: EMA update, oracle, EMA forecast, Quest bound, learned model."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,7 +81,13 @@ def test_reuse_forecast_learns_a_trace_law_online():
         last = np.where(reads, t, last)
     f = np.asarray(
         imp.reuse_forecast(
-            s.since_seen, s.since_read, s.last_read, steps, jnp.ones((1, n), bool), 2
+            s.since_seen,
+            s.since_read,
+            s.last_read,
+            steps,
+            jnp.ones((1, n), bool),
+            2,
+            read_ema=s.read_ema,
         )
     )
     since = np.where(last >= 0, steps - last, 99)
@@ -87,6 +95,50 @@ def test_reuse_forecast_learns_a_trace_law_online():
     assert abs(f[0, 0, since == 2].mean() - 0.02) < 0.03
     # two steps ahead from class 1: read (0.9 * 0.9) or dropped then back (0.1 * 0.02)
     assert abs(f[1, 0, since == 1].mean() - (0.81 + 0.002)) < 0.04
+
+
+def test_reuse_forecast_separates_a_flickering_hot_set_from_cold_blocks():
+    """Hot blocks are read with 0.7 at every step (they flicker), cold ones with 0.05: after a
+    miss both sit in the same steps-since class, and only the frequency bins tell them apart."""
+    r = np.random.default_rng(1)
+    n, steps = 600, 300
+    hot = np.arange(n) < n // 3
+    s = imp.init_stats(1, n)
+    for t in range(steps):
+        reads = r.random(n) < np.where(hot, 0.7, 0.05)
+        s = imp.update_stats(s, jnp.asarray(reads[None]), jnp.ones((1, n)), t)
+    f = np.asarray(
+        imp.reuse_forecast(
+            s.since_seen,
+            s.since_read,
+            s.last_read,
+            steps,
+            jnp.ones((1, n), bool),
+            1,
+            read_ema=s.read_ema,
+        )
+    )[0, 0]
+    since = steps - np.asarray(s.last_read[0])
+    missed = since == 2  # read two steps ago, not at the last step
+    assert abs(f[hot & missed].mean() - 0.7) < 0.08, f[hot & missed].mean()
+    assert abs(f[~hot & missed].mean() - 0.05) < 0.05, f[~hot & missed].mean()
+    # the law on steps-since alone (one frequency bin) cannot: it mixes the two populations
+    one = imp.init_stats(1, n)
+    one = dataclasses.replace(
+        one,
+        since_seen=one.since_seen[:, : imp.REUSE_BUCKETS],
+        since_read=one.since_read[:, : imp.REUSE_BUCKETS],
+    )
+    r = np.random.default_rng(1)
+    for t in range(steps):
+        reads = r.random(n) < np.where(hot, 0.7, 0.05)
+        one = imp.update_stats(one, jnp.asarray(reads[None]), jnp.ones((1, n)), t)
+    g = np.asarray(
+        imp.reuse_forecast(
+            one.since_seen, one.since_read, one.last_read, steps, jnp.ones((1, n), bool), 1
+        )
+    )[0, 0]
+    assert abs(g[hot & missed].mean() - g[~hot & missed].mean()) < 1e-6
 
 
 def test_oracle_forecast_masks_rows_past_the_window():
