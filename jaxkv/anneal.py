@@ -4,12 +4,15 @@ Problem (per layer): choose x in {0, 1}^N (1 = HBM) with x <= valid, sum x <= ca
 `budget` blocks differing from the current assignment x0, minimizing the window energy
 
   E(x) = sum_t w_t max((fixed_t + hbm_t(x)) / B_hbm, link_t(x) / B_link) + sum_i v_i (1 - x_i)
-  hbm_t(x)  = b * sum_i A[t, i] x_i       + [t = 0] b * (sum_{i in P} h_i + d |D|)
-  link_t(x) = b * sum_i A[t, i] (1 - x_i) + [t = 0] b * (sum_{i in P} l_i + d |D|) + u_t
+  hbm_t(x)  = b * sum_i (A[t, i] x_i + H[t, i] (1 - x_i)) + [t = 0] b * (sum_{i in P} h_i + d |D|)
+  link_t(x) = b * sum_i G[t, i] (1 - x_i)                 + [t = 0] b * (sum_{i in P} l_i + d |D|)
+              + u_t
 
 with w_t a per-step weight (1, or a discount for receding-horizon planning; 0 on padding), u_t an
 optional link load no assignment changes (`fixed_link`: e.g. the reads a forecast cannot place),
-A[t, i] the forecast (probability or 0/1) that block i is read at step t, b the block bytes,
+A[t, i] the forecast (probability or 0/1) that block i is read at step t, H and G the HBM-side
+and link-side loads of block i at step t when the plan leaves it on host (`host_hbm`, default
+0, and `host_link`, default A: the placement held for the whole window), b the block bytes,
 P = x & ~x0 the promotions (h_i = promote_hbm, l_i = promote_link: per block, so the caller can
 price a block that crosses the link anyway, see `jaxkv.policies.Anneal`) and D = x0 & ~x the
 demotions (d = 0 when host memory keeps a copy of every block, as in the paper; 1 for an exclusive
@@ -67,6 +70,13 @@ class AnnealProblem:
     # [layers, W] float32 bytes, or None (zeros): link load every assignment has at each step,
     # e.g. the expected reads the forecast cannot place (blocks entering the read set unforeseen)
     fixed_link: jax.Array | None = None
+    # [layers, W, N] float32, or None: the loads (x block bytes) block i puts on the HBM side
+    # (host_hbm; None = 0) and on the link (host_link; None = forecast) at step t when the plan
+    # leaves it on host. The defaults price a plan as one placement held for the whole window;
+    # a receding-horizon plan can price the later re-plans instead, e.g. a host block promoted
+    # at its first read (the read carries it to HBM, later reads hit): see `jaxkv.policies`.
+    host_hbm: jax.Array | None = None
+    host_link: jax.Array | None = None
 
 
 @pytree_dataclass
@@ -107,8 +117,9 @@ def loads(problem: AnnealProblem, x):
     lead = x.shape[:-1]
     xb = x.reshape(x.shape[0], -1, x.shape[-1])  # [L, M, N]
     xf = xb.astype(jnp.float32)
-    hbm = b * jnp.einsum("ltn,lmn->lmt", a, xf)  # [L, M, W]
-    total = b * jnp.sum(a, axis=-1)[:, None, :]  # [L, 1, W]
+    hh, hl = _host_hbm(problem), _host_link(problem)
+    hbm = b * jnp.einsum("ltn,lmn->lmt", a - hh, xf) + b * jnp.sum(hh, -1)[:, None, :]
+    link = b * (jnp.sum(hl, -1)[:, None, :] - jnp.einsum("ltn,lmn->lmt", hl, xf))  # [L, M, W]
     x0 = problem.x0[:, None, :]
     pro = (xb & ~x0).astype(jnp.float32)  # [L, M, N]
     dem = jnp.sum(x0 & ~xb, axis=-1).astype(jnp.float32)  # [L, M]
@@ -118,8 +129,22 @@ def loads(problem: AnnealProblem, x):
     shape = lead + (a.shape[1],)
     return (
         (hbm + mig_h[..., None] * first).reshape(shape),
-        (total - hbm + mig_l[..., None] * first + _fixed_link(problem)[:, None]).reshape(shape),
+        (link + mig_l[..., None] * first + _fixed_link(problem)[:, None]).reshape(shape),
     )
+
+
+def _host_hbm(problem: AnnealProblem):
+    """[layers, W, N]: HBM-side load of a block left on host (zeros when None)."""
+    if problem.host_hbm is None:
+        return jnp.zeros_like(problem.forecast)
+    return problem.host_hbm.astype(jnp.float32)
+
+
+def _host_link(problem: AnnealProblem):
+    """[layers, W, N]: link-side load of a block left on host (the forecast when None)."""
+    if problem.host_link is None:
+        return problem.forecast
+    return problem.host_link.astype(jnp.float32)
 
 
 def _fixed_link(problem: AnnealProblem):
@@ -162,10 +187,16 @@ def _best_prefix(problem: AnnealProblem, score):
     x0 = problem.x0 & valid
     n = a.shape[-1]
     order = jnp.argsort(jnp.where(valid, -score, jnp.inf), axis=-1, stable=True)  # [L, N]
-    a_sorted = jnp.take_along_axis(a, order[:, None, :], axis=-1)  # [L, W, N]
+    hh, hl = _host_hbm(problem), _host_link(problem)
     zero = jnp.zeros(a.shape[:2] + (1,), jnp.float32)
-    hbm = b * jnp.concatenate([zero, jnp.cumsum(a_sorted, axis=-1)], axis=-1)  # [L, W, N+1]
-    total = hbm[..., -1:] + _fixed_link(problem)[..., None]
+
+    def cum(v):  # [L, W, N] -> [L, W, N+1]: sums of v over the first k blocks of the order
+        vs = jnp.take_along_axis(v, order[:, None, :], axis=-1)
+        return jnp.concatenate([zero, jnp.cumsum(vs, axis=-1)], axis=-1)
+
+    hbm = b * (cum(a - hh) + jnp.sum(hh, -1, keepdims=True))  # [L, W, N+1]
+    cl = cum(hl)
+    link = b * (cl[..., -1:] - cl) + _fixed_link(problem)[..., None]
 
     def prefix(v):  # [L, N] -> [L, N+1] sums of v over the first k blocks of the order
         vs = jnp.take_along_axis(v, order, axis=-1)
@@ -183,7 +214,7 @@ def _best_prefix(problem: AnnealProblem, score):
     v = _value(problem) * valid
     e = _energy_of_loads(
         jnp.swapaxes(hbm + mig_h, 1, 2),
-        jnp.swapaxes(total - hbm + mig_l, 1, 2),
+        jnp.swapaxes(link + mig_l, 1, 2),
         problem.fixed,
         problem.weight,
         problem.profile,
@@ -281,6 +312,8 @@ def init(
 
 def _chain_step(
     a,
+    hh,
+    hl,
     x0,
     ph,
     pl,
@@ -305,9 +338,11 @@ def _chain_step(
     budget,
     move_prob,
     d,
+    has_hh,
 ):
-    """One proposal for one chain. a: [W, N]; x0, ph, pl, val, x, perm: [N]; hbm, link: [W];
-    miss, e: [] (terminal value out of HBM, energy = load energy + miss)."""
+    """One proposal for one chain. a, hh, hl: [W, N] (forecast, host-side HBM and link loads;
+    hh unused unless has_hh); x0, ph, pl, val, x, perm: [N]; hbm, link: [W]; miss, e: []
+    (terminal value out of HBM, energy = load energy + miss)."""
     k_kind, k_p, k_q, k_dir, k_acc, k_next = jax.random.split(jax.random.wrap_key_data(key), 6)
     u = jax.random.uniform(k_kind)
     p = jnp.minimum((jax.random.uniform(k_p) * count).astype(jnp.int32), jnp.maximum(count - 1, 0))
@@ -328,8 +363,13 @@ def _chain_step(
     has_j = ~demote  # a block enters HBM
     i = perm[p]
     j = perm[q]
-    ai = jnp.where(has_i, a[:, i], 0.0)  # [W]
-    aj = jnp.where(has_j, a[:, j], 0.0)
+    # HBM-side and link-side load columns a block adds in HBM rather than on host
+    col_i = a[:, i] - hh[:, i] if has_hh else a[:, i]
+    col_j = a[:, j] - hh[:, j] if has_hh else a[:, j]
+    ai = jnp.where(has_i, col_i, 0.0)  # [W]
+    aj = jnp.where(has_j, col_j, 0.0)
+    li = jnp.where(has_i, hl[:, i], 0.0)
+    lj = jnp.where(has_j, hl[:, j], 0.0)
     # i leaves HBM: a demotion (x0[i]) or an undone promotion; j enters: the reverse.
     dmig_i = jnp.where(has_i, jnp.where(x0[i], 1, -1), 0)
     dmig_j = jnp.where(has_j, jnp.where(x0[j], -1, 1), 0)
@@ -342,7 +382,7 @@ def _chain_step(
     )
     dh = b * (aj - ai)
     first = (jnp.arange(a.shape[0]) == 0).astype(jnp.float32)
-    new_hbm, new_link = hbm + dh + b * dm_h * first, link - dh + b * dm_l * first
+    new_hbm, new_link = hbm + dh + b * dm_h * first, link + b * (li - lj) + b * dm_l * first
     # i leaves HBM (its terminal value now counts), j enters (its value no longer does)
     new_miss = miss + jnp.where(has_i, val[i], 0.0) - jnp.where(has_j, val[j], 0.0)
     new_e = _energy_of_loads(new_hbm, new_link, fixed, weight, profile) + new_miss
@@ -379,11 +419,15 @@ def step(problem: AnnealProblem, state: AnnealState, config: AnnealConfig = Anne
         budget=problem.budget,
         move_prob=config.move_prob,
         d=problem.demote_cost,
+        has_hh=problem.host_hbm is not None,
     )
-    over_chains = jax.vmap(chain, in_axes=(None,) * 7 + (0,) * 11)
-    over_layers = jax.vmap(over_chains, in_axes=(0, 0, 0, 0, 0, None, None) + (0,) * 11)
+    over_chains = jax.vmap(chain, in_axes=(None,) * 9 + (0,) * 11)
+    over_layers = jax.vmap(over_chains, in_axes=(0,) * 7 + (None, None) + (0,) * 11)
+    a = problem.forecast
     x, perm, count, moved, hbm, link, miss, e, key = over_layers(
-        problem.forecast,
+        a,
+        a if problem.host_hbm is None else problem.host_hbm,
+        a if problem.host_link is None else problem.host_link,
         problem.x0,
         problem.promote_hbm,
         problem.promote_link,

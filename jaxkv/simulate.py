@@ -398,6 +398,7 @@ def simulate(
     oracle_window: int = 3,
     oracle_discount: float = 1.0,
     oracle_tail: int = 0,
+    ride: float = 0.0,
     anneal_config: AnnealConfig | None = None,
     paper_sa_grid=PAPER_SA_GRID,
     steps: int | None = None,
@@ -426,6 +427,7 @@ def simulate(
         short lookahead wins: a plan is one placement for its whole lookahead).
       oracle_tail: anneal-oracle's steps after its window that give the plan a terminal value
         (`jaxkv.policies.Anneal.tail`; 0 = off).
+      ride: the anneal policies' receding-horizon pricing (`jaxkv.policies.Anneal.ride`).
       anneal_config: schedule of the anneal policies.
       paper_sa_grid: (lookaheads, fractions) searched for paper-sa.
       steps: simulate the first `steps` steps only.
@@ -478,6 +480,7 @@ def simulate(
             discount=oracle_discount if oracle else discount,
             seed=seed,
             **(dict(tail=oracle_tail) if oracle and oracle_tail else {}),
+            **(dict(ride=ride) if ride else {}),
         )
     n_steps = min(steps or trace.steps, trace.steps)
     horizon = max([getattr(p, "horizon", 1) for p in pols.values()] + [1])

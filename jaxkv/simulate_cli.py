@@ -77,6 +77,13 @@ def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> 
         default=0,
         help="anneal-oracle: steps after its window whose reads value a block's residency",
     )
+    p.add_argument(
+        "--ride",
+        type=float,
+        default=0.0,
+        help="anneal policies: share of later re-plans priced in (promotion at a block's first "
+        "read; jaxkv.policies.Anneal.ride), 0 = a plan's placement held over its window",
+    )
     p.add_argument("--chains", type=int, default=8, help="anneal chains")
     p.add_argument("--chunk", type=int, default=chunk)
     p.add_argument("--demote-cost", type=float, default=0.0)
@@ -104,6 +111,7 @@ def simulation_kwargs(args) -> dict:
         oracle_window=args.oracle_window,
         oracle_discount=args.oracle_discount,
         oracle_tail=args.oracle_tail,
+        ride=args.ride,
         anneal_config=AnnealConfig(chains=args.chains),
         seed=args.seed,
     )
@@ -119,7 +127,7 @@ def add_cli(sub) -> None:
     p.add_argument(
         "--trace",
         default="synthetic:recency-low",
-        help="a .npz path or synthetic:recency-low|recency-high|patterns",
+        help="a .npz path or synthetic:recency-low|recency-high|patterns|real-like",
     )
     p.add_argument("--sparsity", type=float, default=0.6)
     p.add_argument("--policies", default="static,lru,page,paper-sa,anneal,anneal-oracle,unlimited")

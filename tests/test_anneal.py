@@ -16,7 +16,8 @@ B = 16384.0
 
 def problem(seed, n=12, w=8, cap=4, layers=1, invalid=0):
     """Random instance: 0/1 forecasts, random x0, budget, demotion cost and piggybacks; even
-    seeds add a terminal value on about half the blocks (odd seeds: none)."""
+    seeds add a terminal value on about half the blocks (odd seeds: none); seeds = 3 mod 4 price
+    host blocks with their own HBM and link loads (host_hbm, host_link)."""
     r = np.random.default_rng(seed)
     a = (r.random((layers, w, n)) < r.random((layers, 1, n))).astype(np.float32)
     valid = np.ones((layers, n), bool)
@@ -24,7 +25,14 @@ def problem(seed, n=12, w=8, cap=4, layers=1, invalid=0):
     x0 = np.zeros((layers, n), bool)
     for li in range(layers):
         x0[li, r.choice(n - invalid, cap, replace=False)] = True
+    host = {}
+    if seed % 4 == 3:  # e.g. promoted at the first read: that read on the link, the rest in HBM
+        host = dict(
+            host_hbm=jnp.asarray(a * r.random(a.shape), jnp.float32),
+            host_link=jnp.asarray(a * r.random(a.shape), jnp.float32),
+        )
     return anneal.AnnealProblem(
+        **host,
         forecast=jnp.asarray(a),
         x0=jnp.asarray(x0),
         valid=jnp.asarray(valid),
@@ -103,7 +111,7 @@ def test_same_seed_same_answer():
     np.testing.assert_array_equal(e1, e2)
 
 
-@pytest.mark.parametrize("seed", [10, 11])
+@pytest.mark.parametrize("seed", [10, 11, 12])
 def test_delta_energy_equals_full_recompute(seed):
     pr = problem(seed, n=30, w=7, cap=9, layers=2)
     cfg = AnnealConfig(chains=5)
@@ -122,6 +130,34 @@ def test_delta_energy_equals_full_recompute(seed):
             assert x[li, c, perm[li, c, : count[li, c]]].all()
             assert count[li, c] == x[li, c].sum()
     assert int(st.it) == 60
+
+
+def test_host_loads_by_hand():
+    # two blocks, two steps, capacity 1; block 0 read at both steps, block 1 at step 1 only.
+    a = jnp.asarray([[[1.0, 0.0], [1.0, 1.0]]])
+    pr = anneal.AnnealProblem(
+        forecast=a,
+        x0=jnp.asarray([[True, False]]),
+        valid=jnp.ones((1, 2), bool),
+        fixed=jnp.zeros(2, jnp.float32),
+        weight=jnp.ones(2, jnp.float32),
+        promote_hbm=jnp.ones((1, 2), jnp.float32),
+        promote_link=jnp.ones((1, 2), jnp.float32),
+        profile=PROF,
+        block_bytes=B,
+        capacity=1,
+        # on host, block 1's step-1 read is carried by the link and written to HBM
+        host_hbm=jnp.asarray([[[0.0, 0.0], [0.0, 1.0]]]),
+        host_link=jnp.asarray([[[1.0, 0.0], [1.0, 1.0]]]),
+    )
+    hbm, link = anneal.loads(pr, jnp.asarray([[[True, False], [False, True]]]))
+    # x = (1, 0): step 0 HBM reads block 0; step 1 HBM reads block 0 and writes block 1, whose
+    # read crosses the link
+    np.testing.assert_allclose(hbm[0, 0], [B, 2 * B])
+    np.testing.assert_allclose(link[0, 0], [0.0, B])
+    # x = (0, 1): block 1 promoted (link + HBM at step 0); block 0 on host at both steps
+    np.testing.assert_allclose(hbm[0, 1], [B, B])
+    np.testing.assert_allclose(link[0, 1], [2 * B, B])
 
 
 def test_compiled_once_per_shape():

@@ -214,6 +214,26 @@ def test_unforeseen_charges_the_reads_the_forecast_cannot_place():
         np.testing.assert_allclose(got[li], pol.block_bytes * missing * share, rtol=1e-5)
 
 
+def test_bad_ride():
+    with pytest.raises(ValueError, match=r"ride must lie in \[0, 1\], got 1.5"):
+        P.Anneal(ride=1.5)
+
+
+def test_ride_prices_a_host_block_by_its_first_read():
+    # forecast [W=5, layers=1, N=3]: block 0 read at steps 0, 2, 3; block 1 at 1, 2, 4; block 2
+    # with probability 0.5 at every step
+    a = jnp.asarray([[1.0, 0, 1, 1, 0], [0, 1, 1, 0, 1], [0.5] * 5]).T[:, None, :]
+    h = P.Anneal(ride=1.0)._host_loads(a)
+    hh, hl = np.asarray(h["host_hbm"][0]).T, np.asarray(h["host_link"][0]).T  # [N, W]
+    # step 0 as held (a host read); later reads hit HBM, the first of them crosses the link
+    np.testing.assert_allclose(hl[0], [1, 0, 1, 0, 0])
+    np.testing.assert_allclose(hl[1], [0, 1, 0, 0, 0])
+    np.testing.assert_allclose(hl[2], [0.5, 0.5, 0.25, 0.125, 0.0625])
+    np.testing.assert_allclose(hh, np.asarray(a[:, 0]).T * (np.arange(5) >= 1))
+    half = P.Anneal(ride=0.5)._host_loads(a)
+    np.testing.assert_allclose(np.asarray(half["host_link"][0]).T[0], [1, 0, 1, 0.5, 0])
+
+
 def test_bad_link_reserve():
     with pytest.raises(ValueError, match=r"link_reserve must lie in \[0, 1\), got 1.0"):
         P.Anneal(link_reserve=1.0)
