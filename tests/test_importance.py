@@ -97,47 +97,44 @@ def test_reuse_forecast_learns_a_trace_law_online():
     assert abs(f[1, 0, since == 1].mean() - (0.81 + 0.002)) < 0.04
 
 
+def _forecast_after(stats, prob, steps, seed=1):
+    """Folds `steps` steps of reads drawn with per-block probability `prob` [N] into `stats`;
+    returns (the next step's reuse forecast [N], steps since each block's last read [N])."""
+    r = np.random.default_rng(seed)
+    n = prob.shape[0]
+    for t in range(steps):
+        reads = r.random(n) < prob
+        stats = imp.update_stats(stats, jnp.asarray(reads[None]), jnp.ones((1, n)), t)
+    f = imp.reuse_forecast(
+        stats.since_seen,
+        stats.since_read,
+        stats.last_read,
+        steps,
+        jnp.ones((1, n), bool),
+        1,
+        read_ema=stats.read_ema,
+    )
+    return np.asarray(f)[0, 0], steps - np.asarray(stats.last_read[0])
+
+
 def test_reuse_forecast_separates_a_flickering_hot_set_from_cold_blocks():
     """Hot blocks are read with 0.7 at every step (they flicker), cold ones with 0.05: after a
     miss both sit in the same steps-since class, and only the frequency bins tell them apart."""
-    r = np.random.default_rng(1)
-    n, steps = 600, 300
+    n = 600
     hot = np.arange(n) < n // 3
-    s = imp.init_stats(1, n)
-    for t in range(steps):
-        reads = r.random(n) < np.where(hot, 0.7, 0.05)
-        s = imp.update_stats(s, jnp.asarray(reads[None]), jnp.ones((1, n)), t)
-    f = np.asarray(
-        imp.reuse_forecast(
-            s.since_seen,
-            s.since_read,
-            s.last_read,
-            steps,
-            jnp.ones((1, n), bool),
-            1,
-            read_ema=s.read_ema,
-        )
-    )[0, 0]
-    since = steps - np.asarray(s.last_read[0])
+    prob = np.where(hot, 0.7, 0.05)
+    f, since = _forecast_after(imp.init_stats(1, n), prob, 300)
     missed = since == 2  # read two steps ago, not at the last step
     assert abs(f[hot & missed].mean() - 0.7) < 0.08, f[hot & missed].mean()
     assert abs(f[~hot & missed].mean() - 0.05) < 0.05, f[~hot & missed].mean()
     # the law on steps-since alone (one frequency bin) cannot: it mixes the two populations
     one = imp.init_stats(1, n)
+    k = imp.REUSE_BUCKETS
     one = dataclasses.replace(
-        one,
-        since_seen=one.since_seen[:, : imp.REUSE_BUCKETS],
-        since_read=one.since_read[:, : imp.REUSE_BUCKETS],
+        one, since_seen=one.since_seen[:, :k], since_read=one.since_read[:, :k]
     )
-    r = np.random.default_rng(1)
-    for t in range(steps):
-        reads = r.random(n) < np.where(hot, 0.7, 0.05)
-        one = imp.update_stats(one, jnp.asarray(reads[None]), jnp.ones((1, n)), t)
-    g = np.asarray(
-        imp.reuse_forecast(
-            one.since_seen, one.since_read, one.last_read, steps, jnp.ones((1, n), bool), 1
-        )
-    )[0, 0]
+    g, since = _forecast_after(one, prob, 300)
+    missed = since == 2
     assert abs(g[hot & missed].mean() - g[~hot & missed].mean()) < 1e-6
 
 
