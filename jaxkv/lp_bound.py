@@ -105,6 +105,7 @@ import scipy.sparse as sp
 from jaxkv import bounds as bnd
 from jaxkv import cost
 from jaxkv.config import HardwareProfile
+from jaxkv.simulate import pool_capacity
 from jaxkv.trace import read_mask
 
 DEFAULT_ITERS = 200  # L-BFGS-B iterations per temperature of `lagrangian_bound`
@@ -732,12 +733,7 @@ def lp_bound_seconds(
         bad = [i for i in idx if not 0 <= i < n_layers]
         if not idx or bad:
             raise ValueError(f"layers must be indices in [0, {n_layers - 1}], got {list(layers)!r}")
-    if trace.num_layers != geometry.num_layers:
-        geometry = dataclasses.replace(geometry, num_layers=trace.num_layers)
-    if capacity_blocks is None:
-        capacity_blocks = geometry.hbm_capacity_tokens(hbm_budget) // trace.block_size - 1
-    if capacity_blocks < 0:
-        raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+    geometry, capacity_blocks = pool_capacity(trace, geometry, hbm_budget, capacity_blocks)
     w0 = time.perf_counter()
     P, bs, N = trace.prompt_len, trace.block_size, trace.num_blocks
     C = int(min(capacity_blocks, N))
@@ -754,11 +750,14 @@ def lp_bound_seconds(
     rho = profile.hbm_bandwidth / profile.link_bandwidth
     scale = b / profile.hbm_bandwidth
     # the simulator's Unlimited bound (`cost.unlimited_step_time`: the tail block splits too)
-    fix_u = float(geometry.weight_bytes) + geometry.token_bytes
-    read_b = reads.sum(-1) * b + tail[:, None]  # [T, layers]
-    unl = np.maximum(
-        fix_u / profile.hbm_bandwidth,
-        (read_b + fix_u) / (profile.hbm_bandwidth + profile.link_bandwidth),
+    unl = np.asarray(
+        cost.unlimited_step_time(
+            reads.sum(-1) * b + tail[:, None],  # [T, layers]
+            profile=profile,
+            weight_bytes=float(geometry.weight_bytes),
+            hbm_write_bytes=geometry.token_bytes,
+        ),
+        np.float64,
     )
     bar = range(len(idx))
     if progress:

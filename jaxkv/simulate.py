@@ -380,6 +380,18 @@ def _time_plan(policy, state: SimState, setup: Setup, reads_buf, t, repeats: int
     return best
 
 
+def pool_capacity(trace, geometry: cost.Geometry, hbm_budget: float, capacity_blocks=None):
+    """(geometry with the trace's layer count, HBM pool blocks per layer): `capacity_blocks`
+    when given, else what the budget leaves for KV after the weights, less the tail block."""
+    if trace.num_layers != geometry.num_layers:
+        geometry = dataclasses.replace(geometry, num_layers=trace.num_layers)
+    if capacity_blocks is None:
+        capacity_blocks = geometry.hbm_capacity_tokens(hbm_budget) // trace.block_size - 1
+    if capacity_blocks < 0:
+        raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+    return geometry, capacity_blocks
+
+
 def simulate(
     trace,
     policies,
@@ -449,12 +461,7 @@ def simulate(
     """
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity must lie in [0, 1), got {sparsity!r}")
-    if trace.num_layers != geometry.num_layers:
-        geometry = dataclasses.replace(geometry, num_layers=trace.num_layers)
-    if capacity_blocks is None:
-        capacity_blocks = geometry.hbm_capacity_tokens(hbm_budget) // trace.block_size - 1
-    if capacity_blocks < 0:
-        raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+    geometry, capacity_blocks = pool_capacity(trace, geometry, hbm_budget, capacity_blocks)
     setup = Setup(
         trace.prompt_len,
         trace.block_size,
