@@ -112,8 +112,9 @@ def main(argv=None) -> int:
     print(
         f"# prompt {args.prompt_len}, {args.steps} steps, {args.layers} layers, geometry "
         f"{args.geometry}, profile {args.profile}, anneal W={args.window} interval="
-        f"{args.interval} discount={args.discount} (oracle W={args.oracle_window} discount="
-        f"{args.oracle_discount}) chains={args.chains}"
+        f"{args.interval} discount={args.discount} ride={args.ride} (oracle W="
+        f"{args.oracle_window} discount={args.oracle_discount} tail={args.oracle_tail}) "
+        f"chains={args.chains}"
     )
     print("# cell: latency s (latency / Unlimited, HBM hit rate)")
     print("# bound@capacity, bound@cache: the lower bounds / Unlimited (jaxkv.bounds)")

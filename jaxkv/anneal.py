@@ -491,4 +491,33 @@ def run(problem: AnnealProblem, key: jax.Array, config: AnnealConfig = AnnealCon
     state = jax.lax.while_loop(cond, lambda s: step(problem, s, config), state)
     best = jnp.argmin(state.best_energy, axis=1)  # [layers]
     x = jnp.take_along_axis(state.best_x, best[:, None, None], axis=1)[:, 0]
-    return x, jnp.min(state.best_energy, axis=1), state
+    x = settle(problem, x)
+    return x, energy(problem, x), state
+
+
+def settle(problem: AnnealProblem, x):
+    """Undoes the moves of `x` [layers, N] that change no load of the window: [layers, N] bool.
+
+    A block the window never touches (no forecast read, no host-side load at any weighted step)
+    adds nothing to the energy wherever it lives, so the chains' random walk moves it at no cost
+    (at the schedule's temperatures every such move is accepted), and a prefix init cuts resident
+    idle blocks off with the busy ones it demotes. Moving it is not free after the window: a
+    demoted block read later must be promoted again (an HBM write and a link crossing). So:
+    promotions of idle blocks without terminal value are dropped, then idle resident blocks that
+    `x` demotes are kept in the free slots, highest terminal value first (Belady's rule when the
+    value comes from the next read), then lowest index (write order). Neither step raises the
+    energy (no load moves, migration and terminal costs only fall), exceeds the capacity or
+    adds a move against the budget.
+    """
+    w = (problem.weight > 0)[None, :, None]  # [1, W, 1]
+    hh, hl = _host_hbm(problem), _host_link(problem)
+    busy = jnp.any(w & ((problem.forecast != 0) | (hh != 0) | (hl != 0)), axis=1)  # [L, N]
+    idle = problem.valid & ~busy
+    x0 = problem.x0 & problem.valid
+    v = _value(problem)
+    x = x & ~(x & ~x0 & idle & (v <= 0))
+    cand = x0 & ~x & idle
+    free = problem.capacity - jnp.sum(x, axis=-1, keepdims=True)  # [L, 1]
+    order = jnp.argsort(jnp.where(cand, -v, jnp.inf), axis=-1, stable=True)
+    rank = jnp.argsort(order, axis=-1)  # position of each block among the candidates
+    return x | (cand & (rank < free))

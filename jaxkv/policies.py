@@ -261,10 +261,14 @@ class Anneal:
       read. So a prefetch is worth only the link timing it buys, not every read of the window.
       The first-read probabilities treat steps as independent (exact for the 0/1 oracle).
     tail, tail_value, tail_decay: with the oracle forecast, the steps after the window whose
-      reads give the plan a terminal value (`anneal.AnnealProblem.value`): a block left out of
-      HBM whose next read falls at window step W + k costs tail_value x tail_decay^k x one
-      block's link transfer. Among placements the window cannot tell apart (the pool's spare
-      slots), the plan then keeps the blocks needed soonest, Belady's rule. 0 = off.
+      reads give the plan a terminal value (`anneal.AnnealProblem.value`): a block resident in
+      HBM whose next read falls at window step W + k costs, if the plan demotes it, tail_value x
+      tail_decay^k x one block's link transfer (it will have to cross again). So when the pool
+      is full and a promotion needs a slot, the plan evicts the blocks needed latest, Belady's
+      rule, instead of any block the short window sees unread. Only resident blocks get the
+      value: valuing host blocks too buys prefetches for reads beyond the window, which pushed
+      the HBM hit rate past the balance point in every cell measured (bench/RESULTS.md). 0 = off;
+      the simulator's anneal-oracle uses 30 steps (`jaxkv.simulate`'s `oracle_tail`).
     The energy model (profile, block bytes, weights, demotion cost) should match the cost model
     the policy is judged by; the simulator passes its own.
     """
@@ -284,7 +288,7 @@ class Anneal:
     unforeseen: bool = False
     ride: float = 0.0
     tail: int = 0
-    tail_value: float = 0.5
+    tail_value: float = 0.1
     tail_decay: float = 0.9
     budget: int | None = None
     config: AnnealConfig = AnnealConfig()
@@ -337,8 +341,8 @@ class Anneal:
         return self.max_window if self.adaptive else self.window
 
     def _tail_value(self, obs: Observation, h: int):
-        """[layers, N] seconds: the terminal value of each block from its next read after the
-        window's first `window` steps (see `tail`), or None."""
+        """[layers, N] seconds: the terminal value of each resident block from its next read
+        after the window's first `h` steps (see `tail`; 0 on host), or None."""
         if not self.tail:
             return None
         f = obs.forecast[h : h + self.tail] > 0  # [tail, layers, N]
@@ -347,7 +351,9 @@ class Anneal:
         k = jnp.arange(f.shape[0], dtype=jnp.float32)[:, None, None]
         first = jnp.min(jnp.where(f, k, jnp.inf), axis=0)  # steps after the window to the read
         unit = self.block_bytes / self.profile.link_bandwidth
-        return jnp.where(obs.valid, self.tail_value * unit * self.tail_decay**first, 0.0)
+        return jnp.where(
+            obs.valid & obs.in_hbm, self.tail_value * unit * self.tail_decay**first, 0.0
+        )
 
     def init(self, num_layers: int, num_blocks: int):
         key = jax.random.key_data(jax.random.key(self.seed)).astype(jnp.uint32)

@@ -409,7 +409,7 @@ def simulate(
     discount: float = 0.8,
     oracle_window: int = 3,
     oracle_discount: float = 1.0,
-    oracle_tail: int = 0,
+    oracle_tail: int = 30,
     ride: float = 0.0,
     anneal_config: AnnealConfig | None = None,
     paper_sa_grid=PAPER_SA_GRID,
@@ -437,7 +437,8 @@ def simulate(
         (receding horizon) and per-step discount.
       oracle_window, oracle_discount: W and discount of anneal-oracle (with the true future a
         short lookahead wins: a plan is one placement for its whole lookahead).
-      oracle_tail: anneal-oracle's steps after its window that give the plan a terminal value
+      oracle_tail: anneal-oracle's steps after its window whose reads give a resident block a
+        terminal value, so a full pool evicts the blocks needed latest
         (`jaxkv.policies.Anneal.tail`; 0 = off).
       ride: the anneal policies' receding-horizon pricing (`jaxkv.policies.Anneal.ride`).
       anneal_config: schedule of the anneal policies.

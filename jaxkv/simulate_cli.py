@@ -74,8 +74,9 @@ def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> 
     p.add_argument(
         "--oracle-tail",
         type=int,
-        default=0,
-        help="anneal-oracle: steps after its window whose reads value a block's residency",
+        default=30,
+        help="anneal-oracle: steps after its window whose reads value a resident block (a full "
+        "pool evicts the blocks needed latest); 0 = off",
     )
     p.add_argument(
         "--ride",

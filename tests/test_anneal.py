@@ -194,3 +194,53 @@ def test_terminal_value_keeps_the_blocks_needed_soonest():
     assert float(e[0]) == pytest.approx(
         float(anneal.energy(pr, jnp.asarray(np.isin(np.arange(n), [2, 7, 8]))[None])[0]), rel=1e-6
     )
+
+
+def test_settle_keeps_idle_residents_and_drops_idle_promotions():
+    """Blocks the window never touches go back where they were: the idle promotion is undone,
+    the idle residents refill the free slots by terminal value (then index); busy moves stay."""
+    n, cap, w = 10, 5, 3
+    a = np.zeros((1, w, n), np.float32)
+    a[0, :, [1, 6]] = 1.0  # busy: resident block 1, host block 6
+    v = np.zeros((1, n), np.float32)
+    v[0, 4] = B / PROF.link_bandwidth  # idle resident with a terminal value
+    pr = anneal.AnnealProblem(
+        forecast=jnp.asarray(a),
+        x0=jnp.asarray(np.arange(n)[None] < cap),  # blocks 0..4 resident
+        valid=jnp.ones((1, n), bool),
+        fixed=jnp.full((w,), B, jnp.float32),
+        weight=jnp.ones((w,), jnp.float32),
+        promote_hbm=jnp.ones((1, n), jnp.float32),
+        promote_link=jnp.ones((1, n), jnp.float32),
+        profile=PROF,
+        block_bytes=B,
+        capacity=cap,
+        value=jnp.asarray(v),
+    )
+    # the plan: demote busy 1 and idle 0, 2, 3, 4; promote busy 6 and idle 8, 9
+    x = jnp.asarray(np.isin(np.arange(n), [6, 8, 9])[None])
+    s = np.asarray(anneal.settle(pr, x))
+    # 8, 9 undone; 4 free slots beside 6: the valued 4, then 0, 2, 3
+    np.testing.assert_array_equal(np.flatnonzero(s[0]), [0, 2, 3, 4, 6])
+    assert float(anneal.energy(pr, jnp.asarray(s))[0]) <= float(anneal.energy(pr, x)[0])
+    # room for one idle resident: the valued 4 wins over 3 (lower index, no value)
+    x2 = jnp.asarray(np.isin(np.arange(n), [0, 1, 2, 6])[None])
+    np.testing.assert_array_equal(
+        np.flatnonzero(np.asarray(anneal.settle(pr, x2))[0]), [0, 1, 2, 4, 6]
+    )
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_settle_never_raises_energy_capacity_or_moves(seed):
+    pr = problem(seed, n=12, cap=4)
+    r = np.random.default_rng(seed)
+    for _ in range(20):
+        x = np.zeros((1, 12), bool)
+        x[0, r.choice(12, r.integers(0, 5), replace=False)] = True
+        s = np.asarray(anneal.settle(pr, jnp.asarray(x)))
+        assert s.sum() <= pr.capacity
+        x0 = np.asarray(pr.x0)
+        assert (s != x0).sum() <= (x != x0).sum()
+        assert not (s & ~np.asarray(pr.valid)).any()
+        e_x = float(anneal.energy(pr, jnp.asarray(x))[0])
+        assert float(anneal.energy(pr, jnp.asarray(s))[0]) <= e_x * (1 + 1e-6)

@@ -185,7 +185,7 @@ def test_bad_tail():
         P.Anneal(forecast="oracle", tail=4, tail_decay=0.0)
 
 
-def test_tail_value_prices_the_next_read_after_the_window():
+def test_tail_value_prices_a_resident_block_by_its_next_read_after_the_window():
     obs = observation()
     pol = P.Anneal(forecast="oracle", window=2, tail=3, tail_value=0.5, tail_decay=0.5)
     v = np.asarray(pol._tail_value(obs, 2))
@@ -193,8 +193,12 @@ def test_tail_value_prices_the_next_read_after_the_window():
     unit = pol.block_bytes / pol.profile.link_bandwidth
     for li, i in [(0, 0), (0, 5), (1, 7), (1, 19), (0, 22)]:
         hits = np.flatnonzero(f[:, li, i])
-        want = 0.5 * unit * 0.5 ** hits[0] if hits.size and obs.valid[li, i] else 0.0
+        resident = obs.valid[li, i] and obs.in_hbm[li, i]
+        want = 0.5 * unit * 0.5 ** hits[0] if hits.size and resident else 0.0
         assert v[li, i] == pytest.approx(want)
+    # only resident blocks carry the value (what demoting them costs later); host blocks none
+    assert np.all(v[~np.asarray(obs.in_hbm)] == 0.0)
+    assert np.any(v[np.asarray(obs.in_hbm)] > 0.0)
 
 
 def test_unforeseen_charges_the_reads_the_forecast_cannot_place():
