@@ -146,8 +146,9 @@ def test_anneal_ema():
     #     keep {0}: max(1.94, 7.28) + max(1.94, 6.63) = 13.91; {1}: a promotion costs HBM
     #     (1 - p_0) x 8 = 0.72 (the HBM write unless the read rides on it) and link 8:
     #     max((7.28 + 0.72 + 18) / 10, 1.37 + 8) + max(2.46, 1.37) = 9.37 + 2.46 = 11.83;
-    #     (at the full link rate; the planner keeps 30% of the link in reserve (link_reserve),
-    #     which scales link terms by 1 / 0.7: {1} 15.85 vs keep {0} 19.87, the same choice)
+    #     (at the full link rate; the planner keeps half the link in reserve (link_reserve),
+    #     which scales link terms by 2: {1} 18.74 + 2.74 = 21.48 vs keep {0} 27.82, the same
+    #     choice)
     #     {} 8.65 + 8 = 16.65 -> promote 1, demote 0 (best by 2.08 s).
     #     1 is read now: the promotion rides on the read (HBM write, host read).
     #     HBM 8 + 14 + 8 = 30 -> 3; link 8 (1) -> 8 s.
