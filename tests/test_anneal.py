@@ -244,3 +244,40 @@ def test_settle_never_raises_energy_capacity_or_moves(seed):
         assert not (s & ~np.asarray(pr.valid)).any()
         e_x = float(anneal.energy(pr, jnp.asarray(x))[0])
         assert float(anneal.energy(pr, jnp.asarray(s))[0]) <= e_x * (1 + 1e-6)
+
+
+def test_greedy_init_trades_idle_residents_for_promotions_that_save_reads():
+    """A full pool of residents unread in the window but with terminal value, and two host
+    blocks read at both steps: promoting those two (their first read rides, the second hits)
+    beats keeping the two least valuable residents. Every prefix of mass, next-read or
+    resident-first order either keeps x0 or drops all the residents' value at once; the
+    saved-link order finds the swap. Host block 8, read at the first step only, saves
+    nothing and stays on host."""
+    n, cap, w = 40, 30, 2
+    unit = B / PROF.link_bandwidth
+    a = np.zeros((1, w, n), np.float32)
+    a[0, :, [30, 31]] = 1.0  # host blocks read at both steps
+    a[0, 0, 32] = 1.0  # host block read at the first step only
+    v = np.zeros((1, n), np.float32)
+    v[0, :cap] = (0.05 + 0.01 * np.arange(cap)) * unit  # residents 0..29, idle, valued
+    x0 = np.arange(n)[None] < cap
+    pr = anneal.AnnealProblem(
+        forecast=jnp.asarray(a),
+        x0=jnp.asarray(x0),
+        valid=jnp.ones((1, n), bool),
+        fixed=jnp.full((w,), B, jnp.float32),
+        weight=jnp.ones((w,), jnp.float32),
+        promote_hbm=jnp.asarray(1.0 - a[:, 0]),  # as the policies price a ride
+        promote_link=jnp.ones((1, n), jnp.float32),
+        profile=PROF,
+        block_bytes=B,
+        capacity=cap,
+        value=jnp.asarray(v),
+    )
+    g = np.asarray(anneal.greedy_init(pr))[0]
+    np.testing.assert_array_equal(np.flatnonzero(g & ~x0[0]), [30, 31])
+    np.testing.assert_array_equal(np.flatnonzero(x0[0] & ~g), [0, 1])
+    e_g = float(anneal.energy(pr, jnp.asarray(g[None]))[0])
+    assert e_g < float(anneal.energy(pr, jnp.asarray(x0))[0])
+    x, e, _ = anneal.run(pr, jax.random.key(0))
+    assert float(e[0]) <= e_g * (1 + 1e-6)
