@@ -265,12 +265,90 @@ def greedy_init(problem: AnnealProblem):
         x0,
         jnp.where(jnp.sum(x0, -1) <= problem.capacity, energy(problem, x0), jnp.inf),
     )
-    for score in scores:
-        x, e = _best_prefix(problem, score)
+    cands = [_best_prefix(problem, score) for score in scores]
+    if problem.budget < problem.x0.shape[-1]:
+        # a prefix moves every block on the wrong side of its cut: once the pool is full, no
+        # prefix of these orders fits a budget, and the plan would stay x0
+        cands.append(_best_swaps(problem, saved))
+    for x, e in cands:
         better = e < best_e
         best_x = jnp.where(better[:, None], x, best_x)
         best_e = jnp.where(better, e, best_e)
     return best_x
+
+
+def _best_swaps(problem: AnnealProblem, score):
+    """x0 plus its best m promotions by `score` [L, N] (highest first), each demoting the
+    lowest-scored resident once the free slots are used, scanned exactly over every m whose
+    moves fit the budget: (x [L, N] bool, energy [L])."""
+    b, d, cap = problem.block_bytes, problem.demote_cost, problem.capacity
+    a, valid = problem.forecast, problem.valid
+    x0 = problem.x0 & valid
+    n = a.shape[-1]
+    hh, hl = _host_hbm(problem), _host_link(problem)
+    host = valid & ~x0
+    up = jnp.argsort(jnp.where(host, -score, jnp.inf), axis=-1, stable=True)  # promote first
+    down = jnp.argsort(jnp.where(x0, score, jnp.inf), axis=-1, stable=True)  # demote first
+    zero = jnp.zeros(a.shape[:2] + (1,), jnp.float32)
+
+    def cum_w(v, order):  # [L, W, N] -> [L, W, N + 1]
+        vs = jnp.take_along_axis(v, order[:, None, :], axis=-1)
+        return jnp.concatenate([zero, jnp.cumsum(vs, axis=-1)], axis=-1)
+
+    def cum(v, order):  # [L, N] -> [L, N + 1]
+        vs = jnp.take_along_axis(v, order, axis=-1)
+        return jnp.concatenate([jnp.zeros(vs.shape[:1] + (1,), vs.dtype), jnp.cumsum(vs, -1)], -1)
+
+    m = jnp.arange(n + 1)
+    free = jnp.maximum(cap - jnp.sum(x0, -1, keepdims=True), 0)  # [L, 1]
+    k = jnp.maximum(m[None] - free, 0)  # [L, N + 1]: demotions after m promotions
+    nhost = jnp.sum(host, -1, keepdims=True)
+    nres = jnp.sum(x0, -1, keepdims=True)
+    kk = jnp.minimum(k, n)[:, None, :]  # gather index, [L, 1, N + 1]
+    hbm0, link0 = loads(problem, x0)  # [L, W]
+    hbm = (
+        hbm0[..., None]
+        + b * cum_w(a - hh, up)
+        - b
+        * jnp.take_along_axis(
+            cum_w(a - hh, down), jnp.broadcast_to(kk, hbm0.shape + kk.shape[-1:]), -1
+        )
+    )
+    link = (
+        link0[..., None]
+        - b * cum_w(hl, up)
+        + b
+        * jnp.take_along_axis(
+            cum_w(hl, down), jnp.broadcast_to(kk, link0.shape + kk.shape[-1:]), -1
+        )
+    )
+    first = (jnp.arange(a.shape[1]) == 0)[None, :, None]
+    mig_h = b * (cum(problem.promote_hbm * host, up) + d * k)[:, None, :] * first
+    mig_l = b * (cum(problem.promote_link * host, up) + d * k)[:, None, :] * first
+    v = _value(problem) * valid
+    miss = (
+        _miss(problem, x0)[:, None]
+        - cum(v * host, up)
+        + jnp.take_along_axis(cum(v * x0, down), jnp.minimum(k, n), -1)
+    )
+    e = (
+        _energy_of_loads(
+            jnp.swapaxes(hbm + mig_h, 1, 2),
+            jnp.swapaxes(link + mig_l, 1, 2),
+            problem.fixed,
+            problem.weight,
+            problem.profile,
+        )
+        + miss
+    )  # [L, N + 1]
+    ok = (m[None] <= nhost) & (k <= nres) & (m[None] + k <= problem.budget)
+    e = jnp.where(ok, e, jnp.inf)
+    best_m = jnp.argmin(e, axis=-1)  # [L]
+    best_k = jnp.take_along_axis(k, best_m[:, None], -1)  # [L, 1]
+    r_up = jnp.argsort(up, axis=-1)  # position of each block in the promotion order
+    r_down = jnp.argsort(down, axis=-1)
+    x = (x0 & ~(r_down < best_k)) | (host & (r_up < best_m[:, None]))
+    return x, jnp.min(e, axis=-1)
 
 
 def _perm_of(x, valid):

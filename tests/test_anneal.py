@@ -281,3 +281,44 @@ def test_greedy_init_trades_idle_residents_for_promotions_that_save_reads():
     assert e_g < float(anneal.energy(pr, jnp.asarray(x0))[0])
     x, e, _ = anneal.run(pr, jax.random.key(0))
     assert float(e[0]) <= e_g * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_best_swaps_energy_is_exact_and_fits_capacity_and_budget(seed):
+    pr = problem(seed, n=12, cap=4, invalid=seed % 3)
+    score = jnp.asarray(np.random.default_rng(seed).random((1, 12)), jnp.float32)
+    x, e = anneal._best_swaps(pr, score)
+    x = np.asarray(x)
+    assert x.sum() <= pr.capacity and not (x & ~np.asarray(pr.valid)).any()
+    assert (x != np.asarray(pr.x0 & pr.valid)).sum() <= pr.budget
+    assert float(e[0]) == pytest.approx(float(anneal.energy(pr, jnp.asarray(x))[0]), rel=1e-5)
+    assert float(e[0]) <= float(anneal.energy(pr, pr.x0 & pr.valid)[0]) * (1 + 1e-6)
+
+
+def test_budgeted_init_takes_the_best_swaps_that_fit():
+    """The saved-link case of the test above under a budget of 2 moves: one of the two good
+    swaps fits (host block 30, for the least valuable resident 0). No prefix of any order fits:
+    each that takes a promotion takes both, and with them two demotions."""
+    n, cap, w = 40, 30, 2
+    unit = B / PROF.link_bandwidth
+    a = np.zeros((1, w, n), np.float32)
+    a[0, :, [30, 31]] = 1.0  # both read at both steps
+    v = np.zeros((1, n), np.float32)
+    v[0, :cap] = (0.05 + 0.01 * np.arange(cap)) * unit
+    x0 = np.arange(n)[None] < cap
+    pr = anneal.AnnealProblem(
+        forecast=jnp.asarray(a),
+        x0=jnp.asarray(x0),
+        valid=jnp.ones((1, n), bool),
+        fixed=jnp.full((w,), B, jnp.float32),
+        weight=jnp.ones((w,), jnp.float32),
+        promote_hbm=jnp.asarray(1.0 - a[:, 0]),
+        promote_link=jnp.ones((1, n), jnp.float32),
+        profile=PROF,
+        block_bytes=B,
+        capacity=cap,
+        budget=2,
+        value=jnp.asarray(v),
+    )
+    g = np.asarray(anneal.greedy_init(pr))[0]
+    np.testing.assert_array_equal(np.flatnonzero(g != x0[0]), [0, 30])
