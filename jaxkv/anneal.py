@@ -182,6 +182,15 @@ def energy(problem: AnnealProblem, x):
     return e + _miss(problem, x)
 
 
+def _ordered_sums(v, order):
+    """Sums of v over the first k blocks of `order` [L, N], k = 0..N: [L, ..., N] -> [L, ...,
+    N + 1] (v per block [L, N], or per step and block [L, W, N])."""
+    idx = order.reshape(order.shape[:1] + (1,) * (v.ndim - 2) + order.shape[1:])
+    vs = jnp.take_along_axis(v, jnp.broadcast_to(idx, v.shape), axis=-1)
+    zero = jnp.zeros(vs.shape[:-1] + (1,), vs.dtype)
+    return jnp.concatenate([zero, jnp.cumsum(vs, axis=-1)], axis=-1)
+
+
 def _best_prefix(problem: AnnealProblem, score):
     """Best prefix of the valid blocks ordered by `score` [L, N]: (x [L, N] bool, energy [L])."""
     b, cap, d = problem.block_bytes, problem.capacity, problem.demote_cost
@@ -190,19 +199,10 @@ def _best_prefix(problem: AnnealProblem, score):
     n = a.shape[-1]
     order = jnp.argsort(jnp.where(valid, -score, jnp.inf), axis=-1, stable=True)  # [L, N]
     hh, hl = _host_hbm(problem), _host_link(problem)
-    zero = jnp.zeros(a.shape[:2] + (1,), jnp.float32)
-
-    def cum(v):  # [L, W, N] -> [L, W, N+1]: sums of v over the first k blocks of the order
-        vs = jnp.take_along_axis(v, order[:, None, :], axis=-1)
-        return jnp.concatenate([zero, jnp.cumsum(vs, axis=-1)], axis=-1)
-
+    cum = prefix = functools.partial(_ordered_sums, order=order)
     hbm = b * (cum(a - hh) + jnp.sum(hh, -1, keepdims=True))  # [L, W, N+1]
     cl = cum(hl)
     link = b * (cl[..., -1:] - cl) + _fixed_link(problem)[..., None]
-
-    def prefix(v):  # [L, N] -> [L, N+1] sums of v over the first k blocks of the order
-        vs = jnp.take_along_axis(v, order, axis=-1)
-        return jnp.concatenate([jnp.zeros(vs.shape[:1] + (1,), vs.dtype), jnp.cumsum(vs, -1)], -1)
 
     kept = prefix(x0.astype(jnp.float32))
     k = jnp.arange(n + 1, dtype=jnp.float32)
@@ -289,48 +289,26 @@ def _best_swaps(problem: AnnealProblem, score):
     host = valid & ~x0
     up = jnp.argsort(jnp.where(host, -score, jnp.inf), axis=-1, stable=True)  # promote first
     down = jnp.argsort(jnp.where(x0, score, jnp.inf), axis=-1, stable=True)  # demote first
-    zero = jnp.zeros(a.shape[:2] + (1,), jnp.float32)
-
-    def cum_w(v, order):  # [L, W, N] -> [L, W, N + 1]
-        vs = jnp.take_along_axis(v, order[:, None, :], axis=-1)
-        return jnp.concatenate([zero, jnp.cumsum(vs, axis=-1)], axis=-1)
-
-    def cum(v, order):  # [L, N] -> [L, N + 1]
-        vs = jnp.take_along_axis(v, order, axis=-1)
-        return jnp.concatenate([jnp.zeros(vs.shape[:1] + (1,), vs.dtype), jnp.cumsum(vs, -1)], -1)
-
+    s = _ordered_sums
     m = jnp.arange(n + 1)
     free = jnp.maximum(cap - jnp.sum(x0, -1, keepdims=True), 0)  # [L, 1]
     k = jnp.maximum(m[None] - free, 0)  # [L, N + 1]: demotions after m promotions
     nhost = jnp.sum(host, -1, keepdims=True)
     nres = jnp.sum(x0, -1, keepdims=True)
-    kk = jnp.minimum(k, n)[:, None, :]  # gather index, [L, 1, N + 1]
+
+    def demoted(v):  # sums of v over the first k blocks of `down`, for every m
+        c = s(v, down)
+        idx = jnp.minimum(k, n).reshape(k.shape[:1] + (1,) * (c.ndim - 2) + k.shape[1:])
+        return jnp.take_along_axis(c, jnp.broadcast_to(idx, c.shape), axis=-1)
+
     hbm0, link0 = loads(problem, x0)  # [L, W]
-    hbm = (
-        hbm0[..., None]
-        + b * cum_w(a - hh, up)
-        - b
-        * jnp.take_along_axis(
-            cum_w(a - hh, down), jnp.broadcast_to(kk, hbm0.shape + kk.shape[-1:]), -1
-        )
-    )
-    link = (
-        link0[..., None]
-        - b * cum_w(hl, up)
-        + b
-        * jnp.take_along_axis(
-            cum_w(hl, down), jnp.broadcast_to(kk, link0.shape + kk.shape[-1:]), -1
-        )
-    )
+    hbm = hbm0[..., None] + b * (s(a - hh, up) - demoted(a - hh))  # [L, W, N + 1]
+    link = link0[..., None] - b * (s(hl, up) - demoted(hl))
     first = (jnp.arange(a.shape[1]) == 0)[None, :, None]
-    mig_h = b * (cum(problem.promote_hbm * host, up) + d * k)[:, None, :] * first
-    mig_l = b * (cum(problem.promote_link * host, up) + d * k)[:, None, :] * first
+    mig_h = b * (s(problem.promote_hbm * host, up) + d * k)[:, None, :] * first
+    mig_l = b * (s(problem.promote_link * host, up) + d * k)[:, None, :] * first
     v = _value(problem) * valid
-    miss = (
-        _miss(problem, x0)[:, None]
-        - cum(v * host, up)
-        + jnp.take_along_axis(cum(v * x0, down), jnp.minimum(k, n), -1)
-    )
+    miss = _miss(problem, x0)[:, None] - s(v * host, up) + demoted(v * x0)
     e = (
         _energy_of_loads(
             jnp.swapaxes(hbm + mig_h, 1, 2),

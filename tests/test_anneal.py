@@ -246,22 +246,18 @@ def test_settle_never_raises_energy_capacity_or_moves(seed):
         assert float(anneal.energy(pr, jnp.asarray(s))[0]) <= e_x * (1 + 1e-6)
 
 
-def test_greedy_init_trades_idle_residents_for_promotions_that_save_reads():
-    """A full pool of residents unread in the window but with terminal value, and two host
-    blocks read at both steps: promoting those two (their first read rides, the second hits)
-    beats keeping the two least valuable residents. Every prefix of mass, next-read or
-    resident-first order either keeps x0 or drops all the residents' value at once; the
-    saved-link order finds the swap. Host block 8, read at the first step only, saves
-    nothing and stays on host."""
+def _valued_idle_residents(first_only=(), budget=1 << 30):
+    """40 blocks, a full pool of 30 residents unread in the 2-step window with terminal values
+    0.05, 0.06, ... link transfers; host blocks 30 and 31 read at both steps, `first_only` at
+    the first step only; a promotion rides on a first-step read."""
     n, cap, w = 40, 30, 2
-    unit = B / PROF.link_bandwidth
     a = np.zeros((1, w, n), np.float32)
-    a[0, :, [30, 31]] = 1.0  # host blocks read at both steps
-    a[0, 0, 32] = 1.0  # host block read at the first step only
+    a[0, :, [30, 31]] = 1.0
+    a[0, 0, list(first_only)] = 1.0
     v = np.zeros((1, n), np.float32)
-    v[0, :cap] = (0.05 + 0.01 * np.arange(cap)) * unit  # residents 0..29, idle, valued
+    v[0, :cap] = (0.05 + 0.01 * np.arange(cap)) * B / PROF.link_bandwidth
     x0 = np.arange(n)[None] < cap
-    pr = anneal.AnnealProblem(
+    return x0, anneal.AnnealProblem(
         forecast=jnp.asarray(a),
         x0=jnp.asarray(x0),
         valid=jnp.ones((1, n), bool),
@@ -272,8 +268,18 @@ def test_greedy_init_trades_idle_residents_for_promotions_that_save_reads():
         profile=PROF,
         block_bytes=B,
         capacity=cap,
+        budget=budget,
         value=jnp.asarray(v),
     )
+
+
+def test_greedy_init_trades_idle_residents_for_promotions_that_save_reads():
+    """Promoting the two host blocks read at both steps (their first read rides, the second
+    hits) beats keeping the two least valuable residents. Every prefix of mass, next-read or
+    resident-first order either keeps x0 or drops all the residents' value at once; the
+    saved-link order finds the swap. Host block 32, read at the first step only, saves
+    nothing and stays on host."""
+    x0, pr = _valued_idle_residents(first_only=(32,))
     g = np.asarray(anneal.greedy_init(pr))[0]
     np.testing.assert_array_equal(np.flatnonzero(g & ~x0[0]), [30, 31])
     np.testing.assert_array_equal(np.flatnonzero(x0[0] & ~g), [0, 1])
@@ -296,29 +302,9 @@ def test_best_swaps_energy_is_exact_and_fits_capacity_and_budget(seed):
 
 
 def test_budgeted_init_takes_the_best_swaps_that_fit():
-    """The saved-link case of the test above under a budget of 2 moves: one of the two good
-    swaps fits (host block 30, for the least valuable resident 0). No prefix of any order fits:
-    each that takes a promotion takes both, and with them two demotions."""
-    n, cap, w = 40, 30, 2
-    unit = B / PROF.link_bandwidth
-    a = np.zeros((1, w, n), np.float32)
-    a[0, :, [30, 31]] = 1.0  # both read at both steps
-    v = np.zeros((1, n), np.float32)
-    v[0, :cap] = (0.05 + 0.01 * np.arange(cap)) * unit
-    x0 = np.arange(n)[None] < cap
-    pr = anneal.AnnealProblem(
-        forecast=jnp.asarray(a),
-        x0=jnp.asarray(x0),
-        valid=jnp.ones((1, n), bool),
-        fixed=jnp.full((w,), B, jnp.float32),
-        weight=jnp.ones((w,), jnp.float32),
-        promote_hbm=jnp.asarray(1.0 - a[:, 0]),
-        promote_link=jnp.ones((1, n), jnp.float32),
-        profile=PROF,
-        block_bytes=B,
-        capacity=cap,
-        budget=2,
-        value=jnp.asarray(v),
-    )
+    """The case above under a budget of 2 moves: one of the two good swaps fits (host block 30,
+    for the least valuable resident 0). No prefix of any order fits: each that takes a
+    promotion takes both, and with them two demotions."""
+    x0, pr = _valued_idle_residents(budget=2)
     g = np.asarray(anneal.greedy_init(pr))[0]
     np.testing.assert_array_equal(np.flatnonzero(g != x0[0]), [0, 30])
