@@ -199,16 +199,16 @@ def _best_prefix(problem: AnnealProblem, score):
     n = a.shape[-1]
     order = jnp.argsort(jnp.where(valid, -score, jnp.inf), axis=-1, stable=True)  # [L, N]
     hh, hl = _host_hbm(problem), _host_link(problem)
-    cum = prefix = functools.partial(_ordered_sums, order=order)
-    hbm = b * (cum(a - hh) + jnp.sum(hh, -1, keepdims=True))  # [L, W, N+1]
-    cl = cum(hl)
+    sums = functools.partial(_ordered_sums, order=order)  # over the first k blocks, k = 0..N
+    hbm = b * (sums(a - hh) + jnp.sum(hh, -1, keepdims=True))  # [L, W, N+1]
+    cl = sums(hl)
     link = b * (cl[..., -1:] - cl) + _fixed_link(problem)[..., None]
 
-    kept = prefix(x0.astype(jnp.float32))
+    kept = sums(x0.astype(jnp.float32))
     k = jnp.arange(n + 1, dtype=jnp.float32)
     pro = k - kept
-    pro_hbm = prefix((~x0) * problem.promote_hbm)
-    pro_link = prefix((~x0) * problem.promote_link)
+    pro_hbm = sums((~x0) * problem.promote_hbm)
+    pro_link = sums((~x0) * problem.promote_link)
     dem = jnp.sum(x0, -1, keepdims=True) - kept
     first = (jnp.arange(a.shape[1]) == 0)[None, :, None]
     mig_h = (b * (pro_hbm + d * dem))[:, None, :] * first  # [L, W, N+1]
@@ -220,7 +220,7 @@ def _best_prefix(problem: AnnealProblem, score):
         problem.fixed,
         problem.weight,
         problem.profile,
-    ) + (jnp.sum(v, -1, keepdims=True) - prefix(v))  # [L, N+1]
+    ) + (jnp.sum(v, -1, keepdims=True) - sums(v))  # [L, N+1]
     nvalid = jnp.sum(valid, axis=-1, keepdims=True)
     ok = (k <= cap) & (k <= nvalid) & (pro + dem <= problem.budget)
     e = jnp.where(ok, e, jnp.inf)
@@ -250,11 +250,11 @@ def greedy_init(problem: AnnealProblem):
     x0 = problem.x0 & problem.valid
     mass = jnp.einsum("ltn,t->ln", a, w)
     mass = mass / jnp.maximum(jnp.max(mass, axis=-1, keepdims=True), 1e-30)
-    v = _value(problem)
-    v = v / jnp.maximum(jnp.max(v, axis=-1, keepdims=True), 1e-30)
+    val = _value(problem)
+    v = val / jnp.maximum(jnp.max(val, axis=-1, keepdims=True), 1e-30)
     unit = problem.block_bytes / problem.profile.link_bandwidth  # seconds of one block's read
     saved = jnp.einsum("ltn,t->ln", _host_link(problem), w) - (~x0) * problem.promote_link
-    saved = saved + _value(problem) / unit
+    saved = saved + val / unit
     scores = (
         mass * (1.0 + 1e-3 * x0) + 1e-3 * v + 1e-9 * x0,  # ties: the terminal value, then stay
         a[:, 0] + 1e-3 * mass + 1e-6 * v + 1e-9 * x0,
@@ -583,7 +583,7 @@ def settle(problem: AnnealProblem, x):
     idle = problem.valid & ~busy
     x0 = problem.x0 & problem.valid
     v = _value(problem)
-    x = x & ~(x & ~x0 & idle & (v <= 0))
+    x = x & ~(~x0 & idle & (v <= 0))
     cand = x0 & ~x & idle
     free = problem.capacity - jnp.sum(x, axis=-1, keepdims=True)  # [L, 1]
     order = jnp.argsort(jnp.where(cand, -v, jnp.inf), axis=-1, stable=True)
