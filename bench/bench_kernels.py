@@ -8,6 +8,7 @@ On CPU: runs both paths through the interpreter on small shapes and says that no
 was taken (interpreter times mean nothing for performance).
 
     python bench/bench_kernels.py [--json OUT.json] [--contexts 4096 32768 131072] [--quick]
+    python bench/bench_kernels.py --dtype float32 --contexts 32768 --batches 8 --no-compaction
 """
 
 from __future__ import annotations
@@ -221,6 +222,7 @@ def main(argv=None):
         help="GPU: try BlockSizes variants at 32k context, batch 1 and 8, exact; report each",
     )
     p.add_argument("--only-sweep", action="store_true", help="the sweep and nothing else")
+    p.add_argument("--no-compaction", action="store_true", help="attention only")
     args = p.parse_args(argv)
 
     on_gpu = jax.default_backend() == "gpu"
@@ -262,7 +264,8 @@ def main(argv=None):
         sweep(args, on_gpu, results)
     if not args.only_sweep:
         bench_attention(args, on_gpu, results)
-        bench_compaction(args, on_gpu, results)
+        if not args.no_compaction:
+            bench_compaction(args, on_gpu, results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(header, results=results), f, indent=1)

@@ -138,24 +138,18 @@ def resolve_impl(impl: str, config) -> str:
 
     "auto" stays on the XLA path: the Pallas kernel has not yet been measured faster on a GPU
     (bench/RESULTS.md); flip `PALLAS_MEASURED_FASTER` once bench_kernels.py shows it is.
-    "pallas" requires what the kernel supports (16-bit dtypes, block size and head_dim multiples
-    of 16) and raises ValueError otherwise.
+    "pallas" requires the geometry the kernel supports (block size and head_dim multiples of 16,
+    head_dim <= 256; any cache dtype, fp32 as bf16x3 products) and raises ValueError otherwise.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
-    supported = (
-        config.dtype in ("bfloat16", "float16")
-        and config.block_size % 16 == 0
-        and config.head_dim % 16 == 0
-        and config.head_dim <= 256
-    )
+    supported = config.block_size % 16 == 0 and config.head_dim % 16 == 0 and config.head_dim <= 256
     if impl == "auto":
         return "pallas" if PALLAS_MEASURED_FASTER and supported and hopper_available() else "xla"
     if impl == "pallas" and not supported:
         raise ValueError(
-            f"impl='pallas' needs a bfloat16/float16 cache with block_size and head_dim multiples "
-            f"of 16 (head_dim <= 256); got dtype={config.dtype!r}, block_size={config.block_size}, "
-            f"head_dim={config.head_dim}: use impl='xla'"
+            f"impl='pallas' needs block_size and head_dim multiples of 16 (head_dim <= 256); "
+            f"got block_size={config.block_size}, head_dim={config.head_dim}: use impl='xla'"
         )
     return impl
 

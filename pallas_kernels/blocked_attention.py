@@ -15,9 +15,19 @@ Layout of the computation (Hopper, `plgpu.kernel`, one warpgroup per program):
     is topped up by reloading its first block, an L2 hit, and masked).
   * Per tile: logits [64, tile] = q [64, D] @ K^T (WGMMA), scale / soft-cap / token mask,
     online softmax in fp32 registers, p (input dtype, SMEM) @ V (WGMMA, fp32 accumulator).
+  * fp32 pools: WGMMA's 32-bit mode is tf32 (10-bit mantissa, ~1e-3 errors) and takes only
+    K-major operands, which V [tile, D] is not. So the fp32 K/V tiles are TMA-loaded as they are
+    (the HBM bytes read do not change), split in registers into bf16 hi + lo (hi = bf16(x),
+    lo = bf16(x - hi): |x - hi - lo| <= 2^-16 |x|) into one bf16 SMEM buffer, and each product
+    is three bf16 WGMMAs into the fp32 accumulator, a @ b ~ a_lo @ b_hi + a_hi @ b_lo +
+    a_hi @ b_hi ("bf16x3"; q is split once in the wrapper, p per tile): max abs error ~1.5e-5
+    on unit-scale inputs, against ~1e-3 for tf32. Per byte read that is 1.5x the 16-bit
+    kernel's WGMMA work (three products, twice the bytes per element) plus the split; fp32
+    tiles are smaller (`paging.default_tile`) so that the pipeline still fits the SMEM
+    budget.
   * Each program writes a partial (out, lse); `merge_partials` (XLA, small) combines the
     splits by log-sum-exp.
-Inputs: bf16 / fp16 (fp32 pools: use the reference); block_size and head_dim multiples of 16.
+Inputs: bf16 / fp16 / fp32; block_size and head_dim multiples of 16.
 """
 
 from __future__ import annotations
@@ -33,33 +43,27 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (
+    BF16X3,
+    SPLIT_LAYOUT,
     _interpret_params,
     _smem_2d_transforms,
     _swizzle,
     compiler_params,
+    split_bf16,
 )
-from pallas_kernels.paging import ROWS, check_inputs, meta_row_len, plan_blocks, token_counts
+from pallas_kernels.paging import (
+    ROWS,
+    check_inputs,
+    meta_row_len,
+    pipeline_stages,
+    plan_blocks,
+    runs_bf16x3,
+    split_sizes,
+    tile_blocks,
+    token_counts,
+)
 
 _ROWS = ROWS
-_TARGET_PROGRAMS = 264  # about two waves of programs on a 132-SM H100/H200
-_MAX_BLOCKS_PER_SPLIT = 1024
-_SMEM_BUDGET = 200 * 1024  # of 227 KiB per block on Hopper, leaving room for barriers
-
-
-def _num_stages(requested, num_tiles, tile, head_dim, dtype, meta_len) -> int:
-    """Pipeline depth that fits the SMEM budget; ValueError if even one stage does not."""
-    isz = jnp.dtype(dtype).itemsize
-    fixed = _ROWS * head_dim * isz + _ROWS * tile * isz + meta_len * 4
-    out = _ROWS * (head_dim + 1) * 4  # epilogue buffers, aliased with the K/V stages
-    per_stage = 2 * tile * head_dim * isz
-    fits = (_SMEM_BUDGET - fixed) // per_stage
-    if fits < 1 or _SMEM_BUDGET - fixed < out:
-        raise ValueError(
-            f"a tile of {tile} tokens with head_dim={head_dim} ({jnp.dtype(dtype)}) needs "
-            f"{fixed + max(per_stage, out)} bytes of SMEM for one K/V stage, over the "
-            f"kernel's budget of {_SMEM_BUDGET}; lower block_size or blocks_per_step"
-        )
-    return max(1, min(requested, num_tiles, fits))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +71,12 @@ class BlockSizes:
     """Tuning knobs of the kernel.
 
     Attributes:
-      num_stages: K/V tiles in flight per program (TMA pipeline depth).
+      num_stages: K/V tiles in flight per program (TMA pipeline depth), capped by what fits
+        in SMEM.
       blocks_per_step: KV blocks per loop step (one WGMMA tile of blocks_per_step *
-        block_size tokens, at most 256); None picks max(1, 64 // block_size).
+        block_size tokens, at most 256); None picks max(1, 64 // block_size) (fp32:
+        max(1, tile // block_size) with tile 64 / 32 / 16 at head_dim <= 64 / 128 / 256;
+        `paging.default_tile`).
       num_splits: split-K factor over each row's attended blocks; None picks one so that
         batch * kv_heads * num_splits fills the GPU, capped by `min_blocks_per_split`.
       min_blocks_per_split: lower bound on a split's length when `num_splits` is None.
@@ -92,20 +99,21 @@ class BlockSizes:
 
 
 def blocked_attention_kernel(
-    q_ref,  # [batch, kv_heads, 64, head_dim]  GQA group rows, zero padded to 64
+    q_ref,  # [batch, kv_heads, parts, 64, head_dim]  GQA group rows, zero padded to 64
     k_ref,  # [(layers,) slots, block_size, kv_heads, head_dim]
     v_ref,  # [(layers,) slots, block_size, kv_heads, head_dim]
     meta_ref,  # [batch, splits, meta_len] int32: n, layer, 0, 0, slots[per_split], ntoks, 0..
     out_ref,  # [splits, batch, kv_heads, 64, head_dim] f32 partial outputs
     lse_ref,  # [splits, batch, kv_heads, 64] f32 partial log-sum-exp
-    q_smem,  # [64, head_dim]
+    q_smem,  # [parts, 64, head_dim] q (parts=1), or bf16 (hi, lo) of fp32 q (parts=2)
     kv_or_out,  # union of ((k_smem, v_smem), (o_smem, l_smem)): the loop, then the epilogue
-    p_smem,  # [64, tile] probabilities in the input dtype (WGMMA A operand)
+    p_smem,  # [parts, 64, tile] probabilities (WGMMA A operand), in q_smem's dtype
     meta_smem,  # [meta_len] int32
-    q_barrier,  # Barrier
+    q_barrier,  # Barrier, one arrival per q part
     meta_barrier,  # Barrier
     k_barriers,  # Barrier[num_stages], blocks_per_step arrivals each
     v_barriers,  # Barrier[num_stages], blocks_per_step arrivals each
+    kv_split=None,  # [2, tile, head_dim] bf16 (hi, lo) of the fp32 K or V tile; fp32 only
     *,
     block_size: int,
     head_dim: int,
@@ -115,16 +123,21 @@ def blocked_attention_kernel(
     scale: float,
     softcap: float | None,
     multi_layer: bool,
+    optimized_split_load: bool = True,
 ):
     """One (split, kv head, batch row): online softmax over its chunk of attended blocks.
 
     Each step handles a tile of blocks_per_step blocks (tile = blocks_per_step * block_size
-    tokens) so that small blocks still give WGMMA-sized tiles and few loop iterations.
+    tokens) so that small blocks still give WGMMA-sized tiles and few loop iterations. With
+    `kv_split` (fp32 inputs) every product is bf16x3 over (hi, lo) parts; `optimized_split_load`
+    False lets Mosaic GPU load the fp32 tile with bank conflicts (head_dim not a multiple of
+    32: it finds no conflict-free plan for a 64-byte swizzle).
     """
     split = lax.axis_index("split")
     head = lax.axis_index("kv_head")
     row = lax.axis_index("batch")
-    dtype = q_smem.dtype
+    mma_dtype = q_smem.dtype  # bf16 for fp32 inputs
+    pairs = BF16X3 if kv_split is not None else ((0, 0),)
     # k_smem, v_smem: [num_stages, tile, head_dim]; o_smem: [64, head_dim] f32;
     # l_smem: [64] f32. The output buffers reuse the K/V buffers' SMEM: they are written only
     # after the last K/V block has been waited for and consumed.
@@ -138,7 +151,8 @@ def blocked_attention_kernel(
         meta_barrier,
         oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
     )
-    plgpu.copy_gmem_to_smem(q_ref.at[row, head], q_smem, q_barrier)
+    for part in range(q_smem.shape[0]):  # one 2-D copy each: TMA takes at most 5 tiled dims
+        plgpu.copy_gmem_to_smem(q_ref.at[row, head, part], q_smem.at[part], q_barrier)
     plgpu.barrier_wait(meta_barrier)
     num_blocks = meta_smem[0]
     layer = meta_smem[1]
@@ -170,13 +184,25 @@ def blocked_attention_kernel(
     l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0.0, jnp.float32), reduced)
     acc = plgpu.layout_cast(jnp.full((_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
+    def operand(ref, buf):  # the WGMMA operand parts of stage `buf` of K or V
+        if kv_split is None:
+            return (ref.at[buf],)
+        # fp32: the (hi, lo) split through registers. The loop step's previous products have
+        # completed (their accumulators were read), so kv_split is free.
+        x = plgpu.load(ref.at[buf], layout=SPLIT_LAYOUT, optimized=optimized_split_load)
+        kv_split[0], kv_split[1] = split_bf16(x)
+        plgpu.commit_smem()
+        return kv_split.at[0], kv_split.at[1]
+
     def step(i, carry):
         acc, m_i, l_i = carry
         buf = lax.rem(i, num_stages)
         plgpu.barrier_wait(k_barriers.at[buf])
+        k_parts = operand(k_smem, buf)
 
         def qk_product(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[buf].T)
+            for a, b in pairs:
+                plgpu.wgmma(acc_ref, q_smem.at[a], k_parts[b].T)
             return acc_ref[...]
 
         s = pl.run_scoped(qk_product, plgpu.ACC((_ROWS, tile), jnp.float32))
@@ -200,12 +226,17 @@ def blocked_attention_kernel(
         p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
         l_i = l_i * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p_smem[...] = p.astype(dtype)
+        if kv_split is None:
+            p_smem[0] = p.astype(mma_dtype)
+        else:
+            p_smem[0], p_smem[1] = split_bf16(p)
         plgpu.commit_smem()
         plgpu.barrier_wait(v_barriers.at[buf])
+        v_parts = operand(v_smem, buf)
 
         def pv_product(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_smem.at[buf])
+            for a, b in pairs:
+                plgpu.wgmma(acc_ref, p_smem.at[a], v_parts[b])
             return acc_ref[...]
 
         # A fresh accumulator plus a register add, not pl.run_state(ACC.init(acc)): the GPU
@@ -226,30 +257,6 @@ def blocked_attention_kernel(
     plgpu.copy_smem_to_gmem(o_smem, out_ref.at[split, row, head])
     plgpu.copy_smem_to_gmem(l_smem, lse_ref.at[split, row, head])
     plgpu.wait_smem_to_gmem(0)
-
-
-def _blocks_per_step(block_sizes: BlockSizes, block_size: int, max_blocks: int) -> int:
-    step = block_sizes.blocks_per_step or max(1, 64 // block_size)
-    step = min(step, max(1, max_blocks))
-    if step * block_size > 256:
-        raise ValueError(
-            f"blocks_per_step={step} x block_size={block_size} = {step * block_size} tokens "
-            "per tile unsupported by the Mosaic GPU kernel: at most 256 (WGMMA N)"
-        )
-    return step
-
-
-def _split_sizes(batch, kv_heads, max_blocks, step, block_sizes: BlockSizes) -> tuple[int, int]:
-    if block_sizes.num_splits is not None:
-        num_splits = min(block_sizes.num_splits, max_blocks)
-    else:
-        wanted = -(-_TARGET_PROGRAMS // (batch * kv_heads))
-        num_splits = max(1, min(wanted, max_blocks // block_sizes.min_blocks_per_split))
-    # Bounds the per-program block list kept in SMEM.
-    num_splits = max(num_splits, -(-max_blocks // _MAX_BLOCKS_PER_SPLIT))
-    per_split = -(-max_blocks // num_splits)
-    per_split = -(-per_split // step) * step  # whole tiles
-    return num_splits, per_split
 
 
 def merge_partials(out, lse):
@@ -293,8 +300,15 @@ def _blocked_attention(
     layer = jnp.clip(layer, 0, k_pool.shape[0] - 1) if multi_layer else 0
     max_blocks = block_table.shape[1]
     group = q_heads // kv_heads
-    step = _blocks_per_step(block_sizes, block_size, max_blocks)
-    num_splits, per_split = _split_sizes(batch, kv_heads, max(max_blocks, 1), step, block_sizes)
+    step = tile_blocks(block_sizes.blocks_per_step, block_size, max_blocks, q.dtype, head_dim)
+    num_splits, per_split = split_sizes(
+        batch,
+        kv_heads,
+        max(max_blocks, 1),
+        step,
+        block_sizes.num_splits,
+        block_sizes.min_blocks_per_split,
+    )
     meta = plan_blocks(
         block_table,
         block_mask,
@@ -305,15 +319,23 @@ def _blocked_attention(
         num_splits=num_splits,
         per_split=per_split,
     )
+    dtype = q.dtype
+    split = runs_bf16x3(dtype)
+    mma_dtype = jnp.bfloat16 if split else dtype  # what the WGMMAs read
     q_rows = q.reshape(batch, kv_heads, group, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, _ROWS - group), (0, 0)))
+    # [batch, kv_heads, parts, 64, head_dim]: q, or bf16 (hi, lo) of fp32 q
+    q_rows = jnp.stack(split_bf16(q_rows), axis=2) if split else q_rows[:, :, None]
     tile = step * block_size
-    pv_swizzle = min(_swizzle(tile, q.dtype), _swizzle(head_dim, q.dtype))
+    pv_swizzle = min(_swizzle(tile, mma_dtype), _swizzle(head_dim, mma_dtype))
+    # fp32: q and the split K / V tile share one swizzle (the split buffer is a WGMMA operand
+    # of both products); the fp32 stages are read only through registers.
+    qk_swizzle = pv_swizzle if split else None
     meta_len = meta_row_len(per_split)
-    num_stages = _num_stages(
-        block_sizes.num_stages, per_split // step, tile, head_dim, q.dtype, meta_len
+    num_stages = pipeline_stages(
+        block_sizes.num_stages, per_split // step, tile, head_dim, dtype, meta_len
     )
-    dtype = q.dtype
+    parts = q_rows.shape[2]
 
     body = functools.partial(
         blocked_attention_kernel,
@@ -325,7 +347,17 @@ def _blocked_attention(
         scale=scale,
         softcap=softcap,
         multi_layer=multi_layer,
+        optimized_split_load=_swizzle(head_dim, dtype) == 128,
     )
+    split_scratch = []
+    if split:
+        split_scratch.append(
+            plgpu.SMEM(
+                (2, tile, head_dim),
+                mma_dtype,
+                transforms=_smem_2d_transforms(head_dim, mma_dtype, pv_swizzle),
+            )
+        )
     out_p, lse_p = plgpu.kernel(
         body,
         out_type=(
@@ -333,7 +365,11 @@ def _blocked_attention(
             jax.ShapeDtypeStruct((num_splits, batch, kv_heads, _ROWS), jnp.float32),
         ),
         scratch_types=[
-            plgpu.SMEM((_ROWS, head_dim), dtype, transforms=_smem_2d_transforms(head_dim, dtype)),
+            plgpu.SMEM(
+                (parts, _ROWS, head_dim),
+                mma_dtype,
+                transforms=_smem_2d_transforms(head_dim, mma_dtype, qk_swizzle),
+            ),
             plgpu.RefUnion(
                 (
                     plgpu.SMEM(
@@ -346,7 +382,9 @@ def _blocked_attention(
                     plgpu.SMEM(
                         (num_stages, tile, head_dim),
                         dtype,
-                        transforms=_smem_2d_transforms(head_dim, dtype, pv_swizzle),
+                        transforms=_smem_2d_transforms(
+                            head_dim, dtype, None if split else pv_swizzle
+                        ),
                     ),
                 ),
                 (
@@ -359,13 +397,16 @@ def _blocked_attention(
                 ),
             ),
             plgpu.SMEM(
-                (_ROWS, tile), dtype, transforms=_smem_2d_transforms(tile, dtype, pv_swizzle)
+                (parts, _ROWS, tile),
+                mma_dtype,
+                transforms=_smem_2d_transforms(tile, mma_dtype, pv_swizzle),
             ),
             plgpu.SMEM((meta_len,), jnp.int32),
-            plgpu.Barrier(num_arrivals=1),
+            plgpu.Barrier(num_arrivals=parts),
             plgpu.Barrier(num_arrivals=1),
             plgpu.Barrier(num_arrivals=step, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=step, num_barriers=num_stages),
+            *split_scratch,
         ],
         grid=(num_splits, kv_heads, batch),
         grid_names=("split", "kv_head", "batch"),
@@ -396,10 +437,12 @@ def blocked_attention(
     """Decode attention of one query token per row over a paged KV pool (Mosaic GPU kernel).
 
     Args:
-      q: [batch, q_heads, head_dim] bf16 or fp16 (fp32: use `blocked_attention_reference`).
+      q: [batch, q_heads, head_dim] bf16, fp16 or fp32 (fp32 runs as bf16x3 products with
+        fp32 accumulation: ~2^-16 relative per operand, see the module docstring).
       k_pool: [slots, block_size, kv_heads, head_dim], q's dtype; block_size and head_dim
-        multiples of 16, head_dim at most 256. Or the whole [layers, slots, ...] pool with
-        `layer` given: the kernel reads that layer in place (no slice, no copy).
+        multiples of 16, head_dim at most 256 (fp32 tiles must fit SMEM: block_size up to 32
+        at head_dim 256, 80 at 128, 176 at 64; a ValueError otherwise). Or the whole
+        [layers, slots, ...] pool with `layer` given: the kernel reads that layer in place.
       v_pool: same shape and dtype as k_pool.
       block_table: [batch, max_blocks] int32 slot of each logical block; entries whose
         block_mask is False are never read (they may be out of range).
@@ -421,7 +464,10 @@ def blocked_attention(
     check_inputs(q, k_pool, v_pool, block_table, block_mask, lengths, layer, kernel=True)
     head_dim = q.shape[-1]
     block_sizes = block_sizes or BlockSizes()
-    _blocks_per_step(block_sizes, k_pool.shape[-3], block_table.shape[1])  # validates the tile
+    # Validates the tile.
+    tile_blocks(
+        block_sizes.blocks_per_step, k_pool.shape[-3], block_table.shape[1], q.dtype, head_dim
+    )
     return _blocked_attention(
         q,
         k_pool,

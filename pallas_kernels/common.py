@@ -1,5 +1,5 @@
 """Helpers shared by the Mosaic GPU kernels: device check, compiler / interpreter params,
-SMEM layouts for WGMMA operands."""
+SMEM layouts for WGMMA operands, the bf16 (hi, lo) split of fp32 operands."""
 
 from __future__ import annotations
 
@@ -77,3 +77,19 @@ def _smem_2d_transforms(minor_elems: int, dtype, swizzle: int | None = None) -> 
     swizzle = swizzle or _swizzle(minor_elems, dtype)
     swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
     return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+
+
+# Registers of an fp32 [rows, cols] tile being split into bf16 hi + lo: each (16, 16) sub-tile
+# is spread over the 4 warps as 8x8 quarters (the WGMMA layout would need 64 rows), so every
+# shape in multiples of 16 works, and the tile loads from / stores to swizzled SMEM.
+SPLIT_LAYOUT = plgpu.Layout.TILED(
+    plgpu.Tiling(((16, 16), (8, 8), (2,))), warp_dims=(-5, -4), lane_dims=(-3, -2), vector_dim=-1
+)
+# (a part, b part) of a @ b ~ a_lo @ b_hi + a_hi @ b_lo + a_hi @ b_hi, small terms first.
+BF16X3 = ((1, 0), (0, 1), (0, 0))
+
+
+def split_bf16(x):
+    """fp32 x -> (hi, lo) bf16 with |x - hi - lo| <= 2^-16 |x|, for bf16x3 products."""
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)

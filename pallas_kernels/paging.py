@@ -1,12 +1,16 @@
-"""Input validation and block-list planning for paged decode attention (pure jnp / Python)."""
+"""Input validation, block-list planning and tile / split-K / SMEM sizing for paged decode
+attention (pure jnp / Python; the kernel is in blocked_attention.py)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 ROWS = 64  # WGMMA M tile: the GQA group is padded to this many rows.
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-REFERENCE_DTYPES = (*SUPPORTED_DTYPES, jnp.dtype(jnp.float32))
+TARGET_PROGRAMS = 264  # about two waves of programs on a 132-SM H100/H200
+MAX_BLOCKS_PER_SPLIT = 1024
+SMEM_BUDGET = 200 * 1024  # of 227 KiB per block on Hopper, leaving room for barriers
+# The kernel and the reference take the same dtypes; the kernel runs fp32 as bf16x3 products.
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def check_inputs(q, k_pool, v_pool, block_table, block_mask, lengths, layer, *, kernel: bool):
@@ -33,12 +37,9 @@ def check_inputs(q, k_pool, v_pool, block_table, block_mask, lengths, layer, *, 
         raise ValueError(f"k_pool head_dim {pool_head_dim} must equal q head_dim {head_dim}")
     if q_heads % kv_heads:
         raise ValueError(f"q_heads={q_heads} must be a multiple of kv_heads={kv_heads}")
-    dtypes = SUPPORTED_DTYPES if kernel else REFERENCE_DTYPES
-    if q.dtype not in dtypes:
+    if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(
-            f"q dtype {q.dtype} unsupported"
-            f"{' by the Mosaic GPU kernel (use the reference / XLA path)' if kernel else ''};"
-            f" expected one of {[str(d) for d in dtypes]}"
+            f"q dtype {q.dtype} unsupported; expected one of {[str(d) for d in SUPPORTED_DTYPES]}"
         )
     if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         raise ValueError(
@@ -64,12 +65,13 @@ def check_inputs(q, k_pool, v_pool, block_table, block_mask, lengths, layer, *, 
         if block_size % 16:
             raise ValueError(
                 f"block_size={block_size} unsupported by the Mosaic GPU kernel: it must be a "
-                "multiple of 16 (WGMMA K step for 16-bit inputs); use the reference / XLA path"
+                "multiple of 16 (the WGMMA K step of its 16-bit products); use the reference / "
+                "XLA path"
             )
         if head_dim % 16:
             raise ValueError(
                 f"head_dim={head_dim} unsupported by the Mosaic GPU kernel: it must be a "
-                "multiple of 16 (WGMMA K step for 16-bit inputs)"
+                "multiple of 16 (the WGMMA K step of its 16-bit products)"
             )
         if head_dim > 256:
             raise ValueError(f"head_dim={head_dim} unsupported by the Mosaic GPU kernel: max 256")
@@ -120,3 +122,65 @@ def plan_blocks(
 def meta_row_len(per_split: int) -> int:
     # A TMA copy into a barrier must move a multiple of 128 bytes (one per warpgroup thread).
     return -(-(4 + 2 * per_split) // 32) * 32
+
+
+def runs_bf16x3(dtype) -> bool:
+    """True for fp32 inputs, which the kernel runs as bf16 (hi, lo) parts (bf16x3 products)."""
+    return jnp.dtype(dtype) == jnp.float32
+
+
+def default_tile(dtype, head_dim: int) -> int:
+    """Tokens per tile when blocks_per_step is not given: 64, or for fp32 as many as keep a K/V
+    stage at 32 KiB (64 / 32 / 16 at head_dim 64 / 128 / 256), so that 3-4 stages plus the
+    split buffers fit the SMEM budget."""
+    if not runs_bf16x3(dtype):
+        return 64
+    return max(16, 4096 // max(64, head_dim))
+
+
+def tile_blocks(requested, block_size: int, max_blocks: int, dtype, head_dim: int) -> int:
+    """Blocks per loop step (`requested`, or None for the default tile); ValueError if the
+    tile is wider than a WGMMA."""
+    step = requested or max(1, default_tile(dtype, head_dim) // block_size)
+    step = min(step, max(1, max_blocks))
+    if step * block_size > 256:
+        raise ValueError(
+            f"blocks_per_step={step} x block_size={block_size} = {step * block_size} tokens "
+            "per tile unsupported by the Mosaic GPU kernel: at most 256 (WGMMA N)"
+        )
+    return step
+
+
+def split_sizes(
+    batch, kv_heads, max_blocks, step, num_splits, min_blocks_per_split
+) -> tuple[int, int]:
+    """(num_splits, blocks per split): `num_splits`, or None to fill the GPU."""
+    if num_splits is not None:
+        num_splits = min(num_splits, max_blocks)
+    else:
+        wanted = -(-TARGET_PROGRAMS // (batch * kv_heads))
+        num_splits = max(1, min(wanted, max_blocks // min_blocks_per_split))
+    # Bounds the per-program block list kept in SMEM.
+    num_splits = max(num_splits, -(-max_blocks // MAX_BLOCKS_PER_SPLIT))
+    per_split = -(-max_blocks // num_splits)
+    per_split = -(-per_split // step) * step  # whole tiles
+    return num_splits, per_split
+
+
+def pipeline_stages(requested, num_tiles, tile, head_dim, dtype, meta_len) -> int:
+    """Pipeline depth that fits the SMEM budget; ValueError if even one stage does not."""
+    isz = jnp.dtype(dtype).itemsize
+    parts, mma_isz = (2, 2) if runs_bf16x3(dtype) else (1, isz)  # fp32: q, p as bf16 (hi, lo)
+    fixed = parts * ROWS * (head_dim + tile) * mma_isz + meta_len * 4
+    if runs_bf16x3(dtype):
+        fixed += 2 * tile * head_dim * 2  # the (hi, lo) bf16 K or V tile
+    out = ROWS * (head_dim + 1) * 4  # epilogue buffers, aliased with the K/V stages
+    per_stage = 2 * tile * head_dim * isz
+    fits = (SMEM_BUDGET - fixed) // per_stage
+    if fits < 1 or SMEM_BUDGET - fixed < out:
+        raise ValueError(
+            f"a tile of {tile} tokens with head_dim={head_dim} ({jnp.dtype(dtype)}) needs "
+            f"{fixed + max(per_stage, out)} bytes of SMEM for one K/V stage, over the "
+            f"kernel's budget of {SMEM_BUDGET}; lower block_size or blocks_per_step"
+        )
+    return max(1, min(requested, num_tiles, fits))

@@ -11,6 +11,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_kernels.blocked_attention as ba
+from pallas_kernels import paging
 from pallas_kernels.blocked_attention import (
     BlockSizes,
     blocked_attention,
@@ -23,7 +24,10 @@ requires_hopper = pytest.mark.skipif(
     not hopper_available(), reason="needs a Hopper GPU (Mosaic GPU); run by bench/gpu_check.sh"
 )
 
-TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3, jnp.float32: 1e-5}
+# fp32: the kernel's bf16x3 products carry each operand to ~2^-16 relative; measured max abs
+# error 1.5e-05 (out and lse, unit-normal inputs, head_dim 128) against the fp32 reference.
+TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3, jnp.float32: 5e-5}
+REFERENCE_TOL = {jnp.bfloat16: 2e-3, jnp.float32: 1e-6}  # the reference vs float64 numpy
 
 
 def make_case(
@@ -94,7 +98,7 @@ def assert_close(got, want, tol):
     np.testing.assert_allclose(np.asarray(gl), np.asarray(wl), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("block_size", [16, 32, 48])
 def test_kernel_matches_reference(dtype, block_size):
     # Rows: length 1, block + 1, full; permuted table; GQA 4.
@@ -103,10 +107,11 @@ def test_kernel_matches_reference(dtype, block_size):
     assert_close(blocked_attention(*case), want, TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("q_heads,kv_heads", [(2, 2), (4, 1), (8, 1)])
-def test_gqa(q_heads, kv_heads):
-    case = make_case(1, q_heads=q_heads, kv_heads=kv_heads)
-    assert_close(blocked_attention(*case), blocked_attention_reference(*case), TOL[jnp.bfloat16])
+def test_gqa(q_heads, kv_heads, dtype):
+    case = make_case(1, dtype=dtype, q_heads=q_heads, kv_heads=kv_heads)
+    assert_close(blocked_attention(*case), blocked_attention_reference(*case), TOL[dtype])
 
 
 @pytest.mark.parametrize("head_dim", [16, 48, 128])
@@ -115,11 +120,12 @@ def test_head_dims(head_dim):
     assert_close(blocked_attention(*case), blocked_attention_reference(*case), TOL[jnp.bfloat16])
 
 
-def test_sparse_mask_with_empty_row_and_garbage_table():
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_sparse_mask_with_empty_row_and_garbage_table(dtype):
     mask = [[True, False, True, False], [False, False, False, False], [False, True, False, True]]
-    case = make_case(2, max_blocks=4, lengths=[64, 64, 50], mask=mask)
+    case = make_case(2, dtype=dtype, max_blocks=4, lengths=[64, 64, 50], mask=mask)
     out, lse = blocked_attention(*case)
-    assert_close((out, lse), blocked_attention_reference(*case), TOL[jnp.bfloat16])
+    assert_close((out, lse), blocked_attention_reference(*case), TOL[dtype])
     assert np.all(np.asarray(out[1]) == 0.0)
     assert np.all(np.isneginf(np.asarray(lse[1])))
 
@@ -158,35 +164,40 @@ def test_empty_host_part_merge_is_exact():
     np.testing.assert_array_equal(np.asarray(merged[1]), np.asarray(part[1]))
 
 
-def test_split_k_and_pipeline_depth():
-    """Several splits, a pipeline shallower and deeper than a split's list, sparse rows."""
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_split_k_and_pipeline_depth(dtype):
+    """Several splits, a pipeline shallower and deeper than a split's list, sparse rows;
+    tiles of 16, 32 and 48 tokens."""
     mask = np.random.default_rng(5).random((2, 7)) < 0.7
     mask[0, 0] = True
-    case = make_case(5, max_blocks=7, lengths=[112, 90], mask=mask)
+    case = make_case(5, dtype=dtype, max_blocks=7, lengths=[112, 90], mask=mask)
     want = blocked_attention_reference(*case)
     for sizes in (
         BlockSizes(num_splits=3, num_stages=1, blocks_per_step=1),
         BlockSizes(num_splits=2, num_stages=3, blocks_per_step=2),
         BlockSizes(num_splits=1, num_stages=2, blocks_per_step=3),
     ):
-        assert_close(blocked_attention(*case, block_sizes=sizes), want, TOL[jnp.bfloat16])
+        assert_close(blocked_attention(*case, block_sizes=sizes), want, TOL[dtype])
 
 
 @pytest.mark.parametrize(
-    "sizes",
+    "sizes,dtype",
     [
-        BlockSizes(num_splits=2, num_stages=2, blocks_per_step=2),
-        BlockSizes(num_stages=1, blocks_per_step=1),
+        (BlockSizes(num_splits=2, num_stages=2, blocks_per_step=2), jnp.bfloat16),
+        (BlockSizes(num_stages=1, blocks_per_step=1), jnp.bfloat16),
+        (BlockSizes(num_splits=2, num_stages=2, blocks_per_step=2), jnp.float32),
+        (BlockSizes(num_stages=1, blocks_per_step=1), jnp.float32),
     ],
 )
-def test_no_races_detected(sizes):
+def test_no_races_detected(sizes, dtype):
     """The interpreter's happens-before race detector (TMA threads, barriers, SMEM reuse of
-    the pipeline buffers and of the epilogue's aliased output buffers) finds no race."""
+    the pipeline buffers, of fp32's split buffer and of the epilogue's aliased output buffers)
+    finds no race."""
     mask = np.random.default_rng(5).random((2, 7)) < 0.7
     mask[0, 0] = True
-    case = make_case(5, max_blocks=7, lengths=[112, 90], mask=mask)
+    case = make_case(5, dtype=dtype, max_blocks=7, lengths=[112, 90], mask=mask)
     got = race_checked(lambda p: blocked_attention(*case, block_sizes=sizes, interpret=p))
-    assert_close(got, blocked_attention_reference(*case), TOL[jnp.bfloat16])
+    assert_close(got, blocked_attention_reference(*case), TOL[dtype])
 
 
 def test_plan_compacts_attended_blocks_in_order():
@@ -213,24 +224,26 @@ def test_jit_composes_without_retracing():
     assert ba._blocked_attention._cache_size() == before
 
 
-def test_layer_of_a_multi_layer_pool():
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_layer_of_a_multi_layer_pool(dtype):
     """A [layers, ...] pool with a (traced) layer index equals passing that layer's pool."""
-    q, k, v, table, mask, lengths = make_case(17, q_heads=4, kv_heads=2)
+    q, k, v, table, mask, lengths = make_case(17, dtype=dtype, q_heads=4, kv_heads=2)
     k3 = jnp.stack([k * 0.5, k, -k])
     v3 = jnp.stack([v * 2.0, v, -v])
     want = blocked_attention_reference(q, k3[2], v3[2], table, mask, lengths)
     assert_close(blocked_attention_reference(q, k3, v3, table, mask, lengths, layer=2), want, 1e-6)
     attend = jax.jit(lambda layer: blocked_attention(q, k3, v3, table, mask, lengths, layer=layer))
-    assert_close(attend(jnp.int32(2)), want, TOL[jnp.bfloat16])
+    assert_close(attend(jnp.int32(2)), want, TOL[dtype])
     want0 = blocked_attention_reference(q, k3[0], v3[0], table, mask, lengths)
-    assert_close(attend(jnp.int32(0)), want0, TOL[jnp.bfloat16])
+    assert_close(attend(jnp.int32(0)), want0, TOL[dtype])
 
 
-def test_scale_and_softcap():
-    case = make_case(6, dtype=jnp.float16)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
+def test_scale_and_softcap(dtype):
+    case = make_case(6, dtype=dtype)
     kw = dict(scale=0.3, softcap=2.0)
     assert_close(
-        blocked_attention(*case, **kw), blocked_attention_reference(*case, **kw), TOL[jnp.float16]
+        blocked_attention(*case, **kw), blocked_attention_reference(*case, **kw), TOL[dtype]
     )
 
 
@@ -260,7 +273,7 @@ def test_reference_matches_dense_numpy(dtype, block_size):
     )
     for kw in ({}, {"scale": 0.2, "softcap": 1.5}):
         want = dense_numpy(*case, **kw)
-        assert_close(blocked_attention_reference(*case, **kw), want, TOL[dtype] * 0.1)
+        assert_close(blocked_attention_reference(*case, **kw), want, REFERENCE_TOL[dtype])
 
 
 @pytest.mark.parametrize(
@@ -270,16 +283,24 @@ def test_reference_matches_dense_numpy(dtype, block_size):
         dict(head_dim=64, block_size=48, dtype=jnp.float16, q_heads=8, kv_heads=8),
         dict(head_dim=16, block_size=32, dtype=jnp.bfloat16, q_heads=4, kv_heads=2),
         dict(head_dim=256, block_size=64, dtype=jnp.bfloat16, q_heads=4, kv_heads=1),
+        # fp32 (bf16x3): tiles of 32, 48 and 16 tokens; head_dim 48 takes the unoptimized
+        # (bank-conflicted) fp32 load, head_dim 256 three pipeline stages.
+        dict(head_dim=128, block_size=16, dtype=jnp.float32, q_heads=32, kv_heads=8),
+        dict(head_dim=48, block_size=48, dtype=jnp.float32, q_heads=8, kv_heads=2),
+        dict(head_dim=256, block_size=16, dtype=jnp.float32, q_heads=4, kv_heads=1),
     ],
 )
 @pytest.mark.parametrize("semantics", ["Warpgroup", "Lane"])
 def test_lowers_for_cuda(config, semantics, monkeypatch):
     """The compiled (non-interpreted) path lowers to a Mosaic GPU custom call on CPU too, under
-    both Mosaic GPU lowering semantics (the default differs between jax versions)."""
+    both Mosaic GPU lowering semantics (the default differs between jax versions). Lowering runs
+    Mosaic GPU's passes (layouts, SMEM transfers, SMEM size), which the interpreter skips."""
     sem = getattr(plgpu.LoweringSemantics, semantics)
     monkeypatch.setattr(
         ba, "compiler_params", lambda **kw: plgpu.CompilerParams(lowering_semantics=sem, **kw)
     )
+    # The semantics is read when the jitted wrapper traces: drop traces made under the other.
+    ba._blocked_attention.clear_cache()
     dt, bs, d = config["dtype"], config["block_size"], config["head_dim"]
     s = jax.ShapeDtypeStruct
     args = (
@@ -301,14 +322,15 @@ def test_lowers_for_cuda(config, semantics, monkeypatch):
     assert "mosaic_gpu" in text
 
 
-def test_lowers_for_cuda_long_tables():
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_lowers_for_cuda_long_tables(dtype):
     """131k tokens x batch 8 (8,192 blocks a row): the per-split block table is longer than a
     bounds-checked TMA copy allows (256 elements), so it must take the in-bounds bulk copy."""
     s = jax.ShapeDtypeStruct
     args = (
-        s((8, 32, 128), jnp.bfloat16),
-        s((65536, 16, 8, 128), jnp.bfloat16),
-        s((65536, 16, 8, 128), jnp.bfloat16),
+        s((8, 32, 128), dtype),
+        s((65536, 16, 8, 128), dtype),
+        s((65536, 16, 8, 128), dtype),
         s((8, 8192), jnp.int32),
         s((8, 8192), jnp.bool_),
         s((8,), jnp.int32),
@@ -329,7 +351,7 @@ def _errors():
         ("v_pool shape", (q, k, v[:1], table, mask, lengths)),
         ("k_pool head_dim", (q, k[..., :32], v[..., :32], table, mask, lengths)),
         ("must be a multiple of kv_heads", (q[:, :3], k, v, table, mask, lengths)),
-        ("q dtype", (q.astype(jnp.float32), k, v, table, mask, lengths)),
+        ("q dtype int32 unsupported", (q.astype(jnp.int32), k, v, table, mask, lengths)),
         ("k_pool/v_pool dtypes", (q, k.astype(jnp.float16), v, table, mask, lengths)),
         ("block_table must be", (q, k, v, table[:1], mask, lengths)),
         ("block_table dtype", (q, k, v, table.astype(jnp.int16), mask, lengths)),
@@ -379,7 +401,21 @@ def test_reference_accepts_fp32_and_any_block_size():
 
 def test_smem_budget_error():
     with pytest.raises(ValueError, match="SMEM"):
-        ba._num_stages(4, 8, 256, 256, jnp.bfloat16, 64)
+        paging.pipeline_stages(4, 8, 256, 256, jnp.bfloat16, 64)
+    # fp32 stages are twice as large, plus the bf16 split buffers: 64-token blocks at
+    # head_dim 256 do not fit even one stage.
+    case = make_case(18, dtype=jnp.float32, block_size=64, head_dim=256, lengths=[5], max_blocks=1)
+    with pytest.raises(ValueError, match=r"64 tokens with head_dim=256 \(float32\) needs"):
+        blocked_attention(*case)
+
+
+@pytest.mark.parametrize("head_dim,stages", [(64, 4), (128, 4), (256, 3)])
+def test_fp32_defaults_keep_the_pipeline(head_dim, stages):
+    """Default fp32 tiles (64 / 32 / 16 tokens) leave room for 3-4 K/V stages even with the
+    longest per-split block list."""
+    step = paging.tile_blocks(None, 16, 10**6, jnp.float32, head_dim)
+    meta_len = paging.meta_row_len(paging.MAX_BLOCKS_PER_SPLIT)
+    assert paging.pipeline_stages(4, 10**6, step * 16, head_dim, jnp.float32, meta_len) == stages
 
 
 def test_block_sizes_validation():
@@ -423,7 +459,7 @@ def test_sweep_slow(dtype, block_size, q_heads, kv_heads, head_dim):
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_gpu_compiled_matches_reference(dtype, block_size):
     rng = np.random.default_rng(12)
@@ -441,6 +477,7 @@ def test_gpu_compiled_matches_reference(dtype, block_size):
         lengths=[1, block_size + 1, max_blocks * block_size, 7000],
         mask=mask,
     )
-    want = blocked_attention_reference(*case, softcap=30.0)
+    with jax.default_matmul_precision("float32"):  # XLA's GPU default for fp32 dots is tf32
+        want = blocked_attention_reference(*case, softcap=30.0)
     got = blocked_attention(*case, softcap=30.0, interpret=False)
     assert_close(got, want, TOL[dtype])
