@@ -408,7 +408,7 @@ def simulate(
     interval: int = 1,
     discount: float = 0.8,
     oracle_window: int = 3,
-    oracle_discount: float = 1.0,
+    oracle_discount: float = 0.4,
     oracle_tail: int = 30,
     ride: float = 0.0,
     anneal_config: AnnealConfig | None = None,
@@ -436,7 +436,10 @@ def simulate(
       window, interval, discount: the anneal policies' lookahead W, steps between plans
         (receding horizon) and per-step discount.
       oracle_window, oracle_discount: W and discount of anneal-oracle (with the true future a
-        short lookahead wins: a plan is one placement for its whole lookahead).
+        short lookahead wins: a plan is one placement for its whole lookahead, so its later
+        steps charge the link with every block first read there, which the re-plan at that
+        step can promote instead; weighting them 0.4, 0.16 keeps the plan from promoting now
+        for them: bench/RESULTS.md, fifth session).
       oracle_tail: anneal-oracle's steps after its window whose reads give a resident block a
         terminal value, so a full pool evicts the blocks needed latest
         (`jaxkv.policies.Anneal.tail`; 0 = off).

@@ -70,7 +70,12 @@ def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> 
     p.add_argument("--interval", type=int, default=1, help="anneal: steps between plans")
     p.add_argument("--discount", type=float, default=0.8, help="anneal: per-step discount")
     p.add_argument("--oracle-window", type=int, default=3, help="anneal-oracle lookahead W")
-    p.add_argument("--oracle-discount", type=float, default=1.0)
+    p.add_argument(
+        "--oracle-discount",
+        type=float,
+        default=0.4,
+        help="anneal-oracle: weight discount^t of window step t in its energy",
+    )
     p.add_argument(
         "--oracle-tail",
         type=int,

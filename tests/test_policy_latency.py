@@ -116,7 +116,15 @@ def test_anneal_oracle():
     # block 4 (16 bytes), prompt 15: blocks 0..2 sealed at t0, block 3 seals at t1 (pool full:
     # host). Pool 1 = {0}. Tails 4 x (4, 1, 2, 3). W = 3, discount 1, a plan every step.
     trace = make_trace(15, 4, [[(0, 1)], [(0, 1), (3, 1)], [(3, 1)], [(3, 1)]])
-    out = run(trace, ["anneal-oracle"], cap=1, oracle_window=3, interval=1, anneal_config=FAST)
+    out = run(
+        trace,
+        ["anneal-oracle"],
+        cap=1,
+        oracle_window=3,
+        oracle_discount=1.0,
+        interval=1,
+        anneal_config=FAST,
+    )
     # Energy per step with fixed 10 + 4 x (1 + 4/2) = 22 bytes:
     # t0: only 0 is read in t0..t2 among the valid blocks: keep {0}.
     # t1, rows t1..t3: keep {0}: max(38/10, 16) + 16 + 16 = 48; {3} (read now: HBM write 16,
