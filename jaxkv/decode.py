@@ -390,6 +390,7 @@ class Decoder:
             window_reads=state.stats.window_reads,
             since_seen=state.stats.since_seen,
             since_read=state.stats.since_read,
+            streak=state.stats.streak,
             capacity=c.hbm_pool_slots,
         )
         policy_state, target = self.policy.plan(state.policy_state, obs)

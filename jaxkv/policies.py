@@ -42,6 +42,7 @@ class Observation:
     # [layers, K] float32: the reuse law's counts (`importance.Stats.since_seen / since_read`)
     since_seen: jax.Array | None = None
     since_read: jax.Array | None = None
+    streak: jax.Array | None = None  # [layers, N] int32: run lengths (`importance.Stats.streak`)
     capacity: int = static_field(default=0)  # HBM pool slots per layer
 
 
@@ -218,7 +219,7 @@ class AnnealPolicyState:
     compensations: jax.Array  # [] int32: windows whose forecast error exceeded the threshold
 
 
-FORECASTS = ("ema", "reuse", "learned", "oracle")
+FORECASTS = ("ema", "reuse", "learned", "oracle", "visits")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,8 +228,11 @@ class Anneal:
 
     forecast: "ema" (online, from obs.read_ema / last_read), "reuse" (online, the re-read law
       learned from past reads: `importance.reuse_forecast`; needs obs.since_seen / since_read),
-      "learned" (online, the logistic model in `learned`), or "oracle" (obs.forecast, the true
-      future reads).
+      "learned" (online, the logistic model in `learned`), "oracle" (obs.forecast, the true
+      future reads), or "visits" (a diagnostic oracle: obs.forecast cut to the visits in
+      progress by `importance.visits_forecast`, with the true count of the other reads that
+      fall on host charged to the link as `anneal.AnnealProblem.fixed_link`: what an online
+      forecaster that knows how long every visit lasts, but not when one starts, could do).
     window: W, the steps the energy looks ahead (and, when interval = 0, between plans).
     interval: > 0 re-plans every `interval` steps over the next W (receding horizon); used by
       the simulator (`next_window`); the decode loop plans every PlacementConfig.window steps.
@@ -318,17 +322,19 @@ class Anneal:
                 f"Anneal tail must be >= 0, tail_decay in (0, 1], tail_value >= 0; got "
                 f"{self.tail!r}, {self.tail_decay!r}, {self.tail_value!r}"
             )
-        if self.tail and self.forecast != "oracle":
-            raise ValueError(f"Anneal tail needs forecast='oracle', got {self.forecast!r}")
+        if self.tail and not self.needs_forecast:
+            raise ValueError(
+                f"Anneal tail needs forecast='oracle' or 'visits', got {self.forecast!r}"
+            )
         if self.forecast == "learned" and self.learned is None:
             raise ValueError("Anneal forecast='learned' needs learned=(w_0, ..., w_5, b), got None")
 
     @property
     def needs_forecast(self) -> bool:
-        return self.forecast == "oracle"
+        return self.forecast in ("oracle", "visits")
 
     def _planning_profile(self) -> HardwareProfile:
-        if self.forecast == "oracle" or self.link_reserve == 0.0:
+        if self.needs_forecast or self.link_reserve == 0.0:
             return self.profile
         bw = self.profile.link_bandwidth * (1.0 - self.link_reserve)
         return dataclasses.replace(self.profile, link_bandwidth=bw)
@@ -411,7 +417,16 @@ class Anneal:
             )
             prev_hit = hit
         active = (jnp.arange(h) < window).astype(jnp.float32)  # [h]
-        if self.forecast == "oracle":
+        unforeseen = None
+        if self.forecast == "visits":
+            _require_forecast(self, obs)
+            reads = obs.forecast * obs.valid[None]
+            going = imp.visits_forecast(reads, obs.last_read, obs.step)
+            host = (~obs.in_hbm & obs.valid).astype(jnp.float32)
+            unforeseen = self.block_bytes * jnp.sum((reads - going)[:h] * host[None], -1)
+            unforeseen = jnp.pad(unforeseen, ((0, h - unforeseen.shape[0]), (0, 0))).T
+            obs = dataclasses.replace(obs, forecast=going)  # the tail value sees visits only
+        if self.needs_forecast:
             _require_forecast(self, obs)
             a = obs.forecast[:h] * obs.valid[None]
             a = jnp.pad(a, ((0, h - a.shape[0]), (0, 0), (0, 0)))
@@ -431,6 +446,7 @@ class Anneal:
                 obs.valid,
                 h,
                 read_ema=obs.read_ema,
+                streak=obs.streak,
             )
         else:
             stats = imp.Stats(obs.last_read, obs.read_ema, obs.mass_ema, obs.read_ema)
@@ -454,7 +470,9 @@ class Anneal:
         a = a * active[:, None, None]
         a0 = jnp.clip(a[0], 0.0, 1.0)
         fixed_link = None
-        if self.unforeseen and self.forecast != "oracle" and wr is not None:
+        if unforeseen is not None:
+            fixed_link = unforeseen * active[None]
+        elif self.unforeseen and not self.needs_forecast and wr is not None:
             fixed_link = self._unforeseen_link(a, a0, obs, state) * active[None]
         kept = jnp.zeros_like(a0)
         if self.keep_fetched:

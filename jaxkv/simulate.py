@@ -23,7 +23,10 @@ policy, planning inside it with `lax.cond`; the reads of a chunk are computed on
 Policy names: those of `jaxkv.policies.POLICIES`, with modifiers for `anneal` / `anneal-oracle`:
 `+aw` (adaptive window) and `+ec` (forecast-error compensation), e.g. `anneal+aw+ec`; `anneal`
 also takes `+reuse` (the re-read law learned online as its forecast, `importance.reuse_forecast`,
-with the reads it cannot place charged to the link: `Anneal.unforeseen`).
+with the reads it cannot place charged to the link: `Anneal.unforeseen`), and `anneal-oracle`
+takes `+visits` (a diagnostic: the oracle told only how long each visit in progress lasts, not
+when one starts, `importance.visits_forecast`: how much of the online planners' gap no forecast
+of visit lengths can close).
 `paper-sa` runs every (lookahead, fraction) pair of `PAPER_SA_GRID` and reports the best (the
 oracle tuning of its two knobs). `unlimited` is the bound of `jaxkv.cost.unlimited_step_time`.
 
@@ -186,6 +189,7 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0):
                 window_reads=stats.window_reads,
                 since_seen=stats.since_seen,
                 since_read=stats.since_read,
+                streak=stats.streak,
                 capacity=s.capacity,
             )
             pstate, target = policy.plan(pstate, obs)
@@ -281,20 +285,23 @@ def make_policy(
     if base not in POLICIES:
         raise ValueError(
             f"unknown policy {name!r}; expected one of {sorted(POLICIES)} "
-            "(anneal / anneal-oracle take +aw, +ec; anneal also +reuse)"
+            "(anneal / anneal-oracle take +aw, +ec; anneal also +reuse, anneal-oracle +visits)"
         )
     if mods and base not in ("anneal", "anneal-oracle"):
         raise ValueError(
             f"policy {name!r}: modifiers +aw/+ec apply to anneal and anneal-oracle "
             f"only, not {base!r}"
         )
-    bad = [m for m in mods if m not in ("aw", "ec", "reuse")]
+    bad = [m for m in mods if m not in ("aw", "ec", "reuse", "visits")]
     if bad:
         raise ValueError(
-            f"policy {name!r}: unknown modifier {bad[0]!r}; expected 'aw', 'ec' or 'reuse'"
+            f"policy {name!r}: unknown modifier {bad[0]!r}; expected 'aw', 'ec', 'reuse' or "
+            "'visits'"
         )
     if "reuse" in mods and base != "anneal":
         raise ValueError(f"policy {name!r}: +reuse is an online forecast, for anneal only")
+    if "visits" in mods and base != "anneal-oracle":
+        raise ValueError(f"policy {name!r}: +visits cuts the oracle, for anneal-oracle only")
     if base == "page":
         return get_policy("page", page_blocks=max(1, 16 // setup.block_size))
     if base in ("anneal", "anneal-oracle"):
@@ -314,6 +321,7 @@ def make_policy(
             **(
                 dict(forecast="reuse", unforeseen=True, link_reserve=0.0) if "reuse" in mods else {}
             ),
+            **(dict(forecast="visits") if "visits" in mods else {}),
             compensate="ec" in mods,
             prompt_len=setup.prompt_len,
             block_size=setup.block_size,
@@ -368,6 +376,7 @@ def _time_plan(policy, state: SimState, setup: Setup, reads_buf, t, repeats: int
         forecast_mass=None if fc is None else jnp.zeros_like(fc),
         since_seen=st.since_seen,
         since_read=st.since_read,
+        streak=st.streak,
         capacity=setup.capacity,
     )
     fn = jax.jit(lambda p, o: policy.plan(p, o))

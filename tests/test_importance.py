@@ -1,7 +1,5 @@
 """Statistics and forecasters: EMA update, oracle, EMA forecast, Quest bound, learned model."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,6 +86,7 @@ def test_reuse_forecast_learns_a_trace_law_online():
             jnp.ones((1, n), bool),
             2,
             read_ema=s.read_ema,
+            streak=s.streak,
         )
     )
     since = np.where(last >= 0, steps - last, 99)
@@ -113,6 +112,7 @@ def _forecast_after(stats, prob, steps, seed=1):
         jnp.ones((1, n), bool),
         1,
         read_ema=stats.read_ema,
+        streak=stats.streak,
     )
     return np.asarray(f)[0, 0], steps - np.asarray(stats.last_read[0])
 
@@ -128,14 +128,120 @@ def test_reuse_forecast_separates_a_flickering_hot_set_from_cold_blocks():
     assert abs(f[hot & missed].mean() - 0.7) < 0.08, f[hot & missed].mean()
     assert abs(f[~hot & missed].mean() - 0.05) < 0.05, f[~hot & missed].mean()
     # the law on steps-since alone (one frequency bin) cannot: it mixes the two populations
-    one = imp.init_stats(1, n)
-    k = imp.REUSE_BUCKETS
-    one = dataclasses.replace(
-        one, since_seen=one.since_seen[:, :k], since_read=one.since_read[:, :k]
-    )
-    g, since = _forecast_after(one, prob, 300)
+    g, since = _forecast_after(imp.init_stats(1, n, freq_bins=1), prob, 300)
     missed = since == 2
     assert abs(g[hot & missed].mean() - g[~hot & missed].mean()) < 1e-6
+
+
+def test_streak_counts_the_run_of_reads_ending_at_the_last_read():
+    s = imp.init_stats(1, 3)
+    pattern = [[1, 0, 1], [1, 1, 0], [1, 1, 1], [0, 1, 0], [1, 0, 0]]
+    want = [[1, 0, 1], [2, 1, 1], [3, 2, 1], [3, 3, 1], [1, 3, 1]]
+    for t, (r, w) in enumerate(zip(pattern, want, strict=True)):
+        s = imp.update_stats(s, jnp.asarray([r], bool), jnp.ones((1, 3)), t)
+        np.testing.assert_array_equal(s.streak, [w], err_msg=f"step {t}")
+    assert imp.init_stats(1, 3, streaks=False).streak is None
+
+
+def test_reuse_state_splits_the_last_step_by_run_length():
+    k, r = imp.REUSE_BUCKETS, imp.REUSE_STREAKS
+    last = jnp.asarray([[9, 9, 9, 9, 7, -1]], jnp.int32)
+    streak = jnp.asarray([[1, 2, 5, 500, 4, 0]], jnp.int32)
+    got = imp.reuse_state(last, 10, streak)
+    np.testing.assert_array_equal(got, [[1, k, k + 3, k + r - 2, 3, k - 1]])
+    np.testing.assert_array_equal(imp.reuse_state(last, 10), [[1, 1, 1, 1, 3, k - 1]])
+    assert int(got.max()) == imp.REUSE_STATES - 1
+
+
+def test_reuse_forecast_rolls_run_lengths_forward():
+    """With run lengths the chain's state after a read is the run grown by one, after a miss
+    "2 steps since": checked against a brute-force enumeration of read / miss paths."""
+    k, n_states = imp.REUSE_BUCKETS, imp.REUSE_STATES
+    r = np.random.default_rng(3)
+    h = r.uniform(0.05, 0.95, n_states)
+    seen = np.full((1, n_states), 1e7, np.float32)
+    read = (h * 1e7).astype(np.float32)[None]
+    last = jnp.asarray([[9, 9, 9, 6, -1]], jnp.int32)  # at step 10
+    streak = jnp.asarray([[1, 3, 40, 2, 0]], jnp.int32)
+    w = 4
+    f = np.asarray(
+        imp.reuse_forecast(seen, read, last, 10, jnp.ones((1, 5), bool), w, streak=streak)
+    )
+    hh = (read[0] + 2.0 * ((read[0] + 0.5) / (seen[0] + 1.5))) / (seen[0] + 2.0)  # as smoothed
+
+    def state(since, run):
+        if since == 1 and run >= 2:
+            return k + min(run, imp.REUSE_STREAKS) - 2
+        return min(since, k - 1)
+
+    def paths(since, run, steps):  # P(read at each step) by enumerating every path
+        out = np.zeros(steps)
+        for bits in range(2**steps):
+            p, s_, r_ = 1.0, since, run
+            for j in range(steps):
+                q = hh[state(s_, r_)]
+                if (bits >> j) & 1:  # read at step j: the run grows (or starts)
+                    p, s_, r_ = p * q, 1, (r_ + 1 if s_ == 1 else 1)
+                else:
+                    p, s_ = p * (1 - q), s_ + 1
+            out += p * np.array([(bits >> j) & 1 for j in range(steps)])
+        return out
+
+    for i, (since, run) in enumerate([(1, 1), (1, 3), (1, 40), (4, 2), (99, 0)]):
+        np.testing.assert_allclose(f[:, 0, i], paths(since, run, w), rtol=2e-4, err_msg=str(i))
+
+
+def test_reuse_forecast_learns_when_a_visit_ends():
+    """Visits of exactly 4 steps, then a pause: only run lengths tell the forecast that a block
+    read 4 steps running is done and one read 2 steps running is not; without them both sit in
+    "read at the last step"."""
+    n, steps, visit = 300, 240, 4
+    r = np.random.default_rng(0)
+    start = r.integers(0, 12, n)  # each block: visits of 4 steps every 12, staggered
+    with_runs, without = imp.init_stats(1, n), imp.init_stats(1, n, streaks=False)
+    for t in range(steps):
+        reads = jnp.asarray((((t - start) % 12) < visit)[None])
+        with_runs = imp.update_stats(with_runs, reads, jnp.ones((1, n)), t)
+        without = imp.update_stats(without, reads, jnp.ones((1, n)), t)
+    run = np.asarray(with_runs.streak[0])
+    last = np.asarray(with_runs.last_read[0])
+    args = (with_runs.last_read, steps, jnp.ones((1, n), bool), 1)
+    f = np.asarray(
+        imp.reuse_forecast(
+            with_runs.since_seen,
+            with_runs.since_read,
+            *args,
+            read_ema=with_runs.read_ema,
+            streak=with_runs.streak,
+        )
+    )[0, 0]
+    g = np.asarray(
+        imp.reuse_forecast(without.since_seen, without.since_read, *args, read_ema=without.read_ema)
+    )[0, 0]
+    now = last == steps - 1
+    done, going = now & (run == visit), now & (run < visit)
+    assert done.any() and going.any()
+    assert f[going].min() > 0.9 and f[done].max() < 0.1, (f[going].min(), f[done].max())
+    # without run lengths the two are told apart by read frequency alone, and much less well
+    assert g[going].min() - g[done].max() < 0.5, (g[going].min(), g[done].max())
+
+
+def test_visits_forecast_keeps_only_the_visits_in_progress():
+    # at step 5: blocks 0, 1, 3 were read at step 4; block 2 at step 3; block 4 never
+    last = jnp.asarray([[4, 4, 3, 4, -1]], jnp.int32)
+    future = np.array(
+        [
+            [1, 1, 1, 0, 1],  # step 5
+            [1, 0, 1, 1, 1],  # step 6
+            [0, 1, 1, 1, 1],  # step 7
+        ],
+        bool,
+    )[:, None, :]
+    f = np.asarray(imp.visits_forecast(jnp.asarray(future), last, 5))
+    want = np.array([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], np.float32)
+    np.testing.assert_array_equal(f[:, 0], want)
+    # at step 0 nothing is in progress (last_read -1 is not step -1)
+    assert not np.asarray(imp.visits_forecast(jnp.asarray(future), last * 0 - 1, 0)).any()
 
 
 def test_oracle_forecast_masks_rows_past_the_window():

@@ -7,14 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import importance as imp
 from jaxkv import policies as P
 from jaxkv.config import AnnealConfig
 
 L, N, CAP, H = 2, 24, 6, 5
 
 
-def observation(seed=0, forecast=True, window_reads=True):
+def observation(seed=0, forecast=True, window_reads=True, runs=False):
     r = np.random.default_rng(seed)
+    k = imp.REUSE_STATES if runs else imp.REUSE_BUCKETS
     valid = np.zeros((L, N), bool)
     valid[:, :20] = True
     in_hbm = np.zeros((L, N), bool)
@@ -33,8 +35,9 @@ def observation(seed=0, forecast=True, window_reads=True):
         window_reads=jnp.asarray(r.integers(0, 3, (L, N)) * valid, jnp.float32)
         if window_reads
         else None,
-        since_seen=jnp.asarray(r.uniform(5, 50, (L, 64)), jnp.float32),
-        since_read=jnp.asarray(r.uniform(0, 5, (L, 64)), jnp.float32),
+        since_seen=jnp.asarray(r.uniform(5, 50, (L, k)), jnp.float32),
+        since_read=jnp.asarray(r.uniform(0, 5, (L, k)), jnp.float32),
+        streak=jnp.asarray(r.integers(1, 40, (L, N)) * (last >= 0), jnp.int32) if runs else None,
         capacity=CAP,
     )
 
@@ -50,6 +53,8 @@ ALL = {
     "anneal-oracle": P.Anneal(name="anneal-oracle", forecast="oracle", window=H, config=FAST),
     "anneal-oracle+tail": P.Anneal(forecast="oracle", window=2, tail=H - 2, config=FAST),
     "anneal+reuse": P.Anneal(forecast="reuse", unforeseen=True, window=H, config=FAST),
+    "anneal+reuse+runs": P.Anneal(forecast="reuse", unforeseen=True, window=H, config=FAST),
+    "anneal-oracle+visits": P.Anneal(forecast="visits", window=2, tail=H - 2, config=FAST),
     "anneal-learned": P.Anneal(
         forecast="learned", learned=(1.0, 0, 0, 0, 0, 0, -1.0), window=H, config=FAST
     ),
@@ -59,7 +64,7 @@ ALL = {
 @pytest.mark.parametrize("name", sorted(ALL))
 def test_plan_is_jittable_within_capacity_and_valid(name):
     pol = ALL[name]
-    obs = observation()
+    obs = observation(runs=name.endswith("+runs"))
     state = pol.init(L, N)
     plan = jax.jit(pol.plan)
     for _ in range(2):  # state threads through
@@ -113,6 +118,22 @@ def test_anneal_oracle_promotes_what_is_read():
     # link-bound: the reads go to HBM up to the balance point, never to an unread block
     t = np.asarray(t)
     assert t[:, 10:16].sum() >= 8 and not t[:, :10].any() and not t[:, 16:].any()
+
+
+def test_visits_oracle_sees_a_visit_in_progress_but_not_one_to_come():
+    obs = observation()
+    f = np.zeros((H, L, N), np.float32)
+    f[:, :, 10:13] = 1.0  # host blocks 10-12 read at every step of the window
+    last = np.asarray(obs.last_read).copy()
+    last[:, 10:12] = 30  # 10, 11: read at step 30, their visit goes on at step 31
+    last[:, 12] = 20  # 12: a visit starting now
+    obs = dataclasses.replace(obs, forecast=jnp.asarray(f), last_read=jnp.asarray(last))
+    kw = dict(window=H, config=FAST, fixed_bytes=0.0)
+    _, t = P.Anneal(forecast="visits", **kw).plan(P.Anneal().init(L, N), obs)
+    t = np.asarray(t)
+    assert t[:, 10:12].all() and not t[:, 12].any()
+    _, t = P.Anneal(forecast="oracle", **kw).plan(P.Anneal().init(L, N), obs)
+    assert np.asarray(t)[:, 10:13].all()  # the full oracle promotes all three
 
 
 def test_compensation_triggers_on_a_bad_forecast():
@@ -179,7 +200,7 @@ def test_reuse_needs_the_reuse_counts():
 
 
 def test_bad_tail():
-    with pytest.raises(ValueError, match=r"tail needs forecast='oracle', got 'ema'"):
+    with pytest.raises(ValueError, match=r"tail needs forecast='oracle' or 'visits', got 'ema'"):
         P.Anneal(tail=4)
     with pytest.raises(ValueError, match=r"tail must be >= 0, tail_decay in \(0, 1\]"):
         P.Anneal(forecast="oracle", tail=4, tail_decay=0.0)

@@ -93,6 +93,7 @@ NAMES = [
     "paper-sa",
     "anneal",
     "anneal-oracle",
+    "anneal-oracle+visits",
     "anneal+aw+ec",
     "anneal+reuse",
 ]
@@ -218,10 +219,14 @@ def test_cli_unknown_policy_lists_names(capsys):
 
 
 def test_unknown_modifier():
-    with pytest.raises(ValueError, match=r"unknown modifier 'xx'; expected 'aw', 'ec' or 'reuse'"):
+    with pytest.raises(
+        ValueError, match=r"unknown modifier 'xx'; expected 'aw', 'ec', 'reuse' or 'visits'"
+    ):
         run(["anneal+xx"])
     with pytest.raises(ValueError, match=r"\+reuse is an online forecast, for anneal only"):
         run(["anneal-oracle+reuse"])
+    with pytest.raises(ValueError, match=r"\+visits cuts the oracle, for anneal-oracle only"):
+        run(["anneal+visits"])
 
 
 def test_modifier_on_wrong_policy():
