@@ -450,8 +450,9 @@ def simulate(
         step can promote instead; weighting them 0.4, 0.16 keeps the plan from promoting now
         for them: bench/RESULTS.md, fifth session).
       oracle_tail: anneal-oracle's steps after its window whose reads give a resident block a
-        terminal value, so a full pool evicts the blocks needed latest
-        (`jaxkv.policies.Anneal.tail`; 0 = off).
+        terminal value, so a full pool evicts the blocks needed latest, and, where a step reads
+        more blocks than the pool holds, give every block it reads the value of all its reads
+        there (`jaxkv.policies.Anneal.tail`, `overflow_value`; 0 = off).
       ride: the anneal policies' receding-horizon pricing (`jaxkv.policies.Anneal.ride`).
       anneal_config: schedule of the anneal policies.
       paper_sa_grid: (lookaheads, fractions) searched for paper-sa.

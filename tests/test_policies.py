@@ -208,7 +208,9 @@ def test_bad_tail():
 
 def test_tail_value_prices_a_resident_block_by_its_next_read_after_the_window():
     obs = observation()
-    pol = P.Anneal(forecast="oracle", window=2, tail=3, tail_value=0.5, tail_decay=0.5)
+    pol = P.Anneal(
+        forecast="oracle", window=2, tail=3, tail_value=0.5, tail_decay=0.5, overflow_value=0.0
+    )
     v = np.asarray(pol._tail_value(obs, 2))
     f = np.asarray(obs.forecast)[2:5] > 0  # the tail steps, [3, L, N]
     unit = pol.block_bytes / pol.profile.link_bandwidth
@@ -220,6 +222,31 @@ def test_tail_value_prices_a_resident_block_by_its_next_read_after_the_window():
     # only resident blocks carry the value (what demoting them costs later); host blocks none
     assert np.all(v[~np.asarray(obs.in_hbm)] == 0.0)
     assert np.any(v[np.asarray(obs.in_hbm)] > 0.0)
+
+
+def test_overflow_value_counts_every_read_after_the_window_where_the_pool_overflows():
+    obs = observation()
+    f = np.zeros((H, L, N), np.float32)
+    # layer 0: the first step reads 8 blocks > CAP = 6 (overflow); layer 1 reads 3 (no overflow)
+    f[0, 0, [0, 1, 2, 3, 10, 11, 12, 13]] = 1.0
+    f[0, 1, [0, 10, 11]] = 1.0
+    f[2:, :, [0, 10]] = 1.0  # blocks 0 (resident) and 10 (host) read at all 3 tail steps
+    f[4, :, [1, 14]] = 1.0  # block 1 (resident) and 14 (host, unread at step 0): the last one
+    obs = dataclasses.replace(obs, forecast=jnp.asarray(f))
+    pol = P.Anneal(forecast="oracle", window=2, tail=3, tail_value=0.5, tail_decay=0.5)
+    pol = dataclasses.replace(pol, overflow_value=0.2)
+    v = np.asarray(pol._tail_value(obs, 2))
+    unit = pol.block_bytes / pol.profile.link_bandwidth
+    # layer 0: every read after the window, for resident blocks and the first step's reads
+    assert v[0, 0] == pytest.approx(0.2 * unit * (1 + 0.5 + 0.25))
+    assert v[0, 10] == pytest.approx(0.2 * unit * (1 + 0.5 + 0.25))
+    assert v[0, 1] == pytest.approx(0.2 * unit * 0.25)
+    assert v[0, 14] == 0.0  # on host and not read at the first step: no prefetch value
+    assert v[0, 2] == 0.0  # read at the first step only
+    # layer 1: Belady's value (the next read), resident blocks only
+    assert v[1, 0] == pytest.approx(0.5 * unit)
+    assert v[1, 1] == pytest.approx(0.5 * unit * 0.25)
+    assert v[1, 10] == 0.0 and v[1, 14] == 0.0
 
 
 def test_unforeseen_charges_the_reads_the_forecast_cannot_place():
