@@ -222,6 +222,9 @@ def test_tail_value_prices_a_resident_block_by_its_next_read_after_the_window():
     # only resident blocks carry the value (what demoting them costs later); host blocks none
     assert np.all(v[~np.asarray(obs.in_hbm)] == 0.0)
     assert np.any(v[np.asarray(obs.in_hbm)] > 0.0)
+    # a pool with room for every valid block (20 here) never evicts: no value at all
+    roomy = dataclasses.replace(obs, capacity=20)
+    assert not np.asarray(pol._tail_value(roomy, 2)).any()
 
 
 def test_overflow_value_counts_every_read_after_the_window_where_the_pool_overflows():
