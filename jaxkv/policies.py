@@ -450,18 +450,17 @@ class Anneal:
             prev_hit = hit
         active = (jnp.arange(h) < window).astype(jnp.float32)  # [h]
         unforeseen = None
-        if self.forecast == "visits":
-            _require_forecast(self, obs)
-            reads = obs.forecast * obs.valid[None]
-            going = imp.visits_forecast(reads, obs.last_read, obs.step)
-            host = (~obs.in_hbm & obs.valid).astype(jnp.float32)
-            unforeseen = self.block_bytes * jnp.sum((reads - going)[:h] * host[None], -1)
-            unforeseen = jnp.pad(unforeseen, ((0, h - unforeseen.shape[0]), (0, 0))).T
-            obs = dataclasses.replace(obs, forecast=going)  # the tail value sees visits only
         if self.needs_forecast:
             _require_forecast(self, obs)
-            a = obs.forecast[:h] * obs.valid[None]
-            a = jnp.pad(a, ((0, h - a.shape[0]), (0, 0), (0, 0)))
+            reads = obs.forecast * obs.valid[None]
+            reads = jnp.pad(reads, ((0, max(h - reads.shape[0], 0)), (0, 0), (0, 0)))
+            if self.forecast == "visits":  # the reads of visits that have not begun: unplaced
+                going = imp.visits_forecast(reads, obs.last_read, obs.step)
+                host = (~obs.in_hbm & obs.valid).astype(jnp.float32)
+                unforeseen = self.block_bytes * jnp.sum((reads - going)[:h] * host, -1).T
+                reads = going
+                obs = dataclasses.replace(obs, forecast=going)  # the tail value sees visits only
+            a = reads[:h]
         elif self.forecast == "ema":
             a = imp.ema_forecast(obs.read_ema, obs.last_read, obs.step, obs.valid, h)
         elif self.forecast == "reuse":
