@@ -191,6 +191,12 @@ class Decoder:
         policy = get_policy(
             p.policy, **{**{k: v for k, v in auto.items() if k in known}, **overrides}
         )
+        if getattr(policy, "now", False):
+            raise ValueError(
+                f"policy {p.policy!r} with now=True plans with the current step's read set, "
+                "which this decode loop, planning between steps, does not know yet; use it in "
+                "`jaxkv simulate` (anneal+now), or now=False here"
+            )
         if getattr(policy, "needs_forecast", False):
             raise ValueError(
                 f"policy {p.policy!r} plans from perfect knowledge of future reads, which a live "

@@ -289,6 +289,14 @@ class Anneal:
       step get no value (no prefetch for reads beyond the window). Where the pool holds the
       step's reads, a whole-visit value pushes the hit rate past the balance point (patterns
       0.6: 1.024 -> 1.068), so the Belady value above applies there. 0 = off.
+    now: the plan knows the read set of the step it plans for (obs.forecast[0], horizon 1): what
+      a Quest-sparse decode loop computes from the current query before it reads the KV (the
+      top-k blocks by the Quest bound), and what the paper grants Page. Row 0 of the forecast is
+      that read set; rows 1 .. W - 1 are the online forecast ("ema" or "reuse") from the
+      statistics with the step folded in, so a visit that starts now counts as begun. Without
+      it every visit's first read comes from host unforeseen, and its promotion rides on its
+      second read, also a host read: two link reads per visit instead of one. Our decode loop
+      plans between steps and refuses it (`jaxkv.decode`).
     The energy model (profile, block bytes, weights, demotion cost) should match the cost model
     the policy is judged by; the simulator passes its own.
     """
@@ -321,6 +329,7 @@ class Anneal:
     error_threshold: float = 0.15
     rollback: int = 5
     learned: tuple | None = None  # (w_0 .. w_5, b) of importance.learned_forecast
+    now: bool = False
     prompt_len: int = 0
     block_size: int = 16
     seed: int = 0
@@ -343,27 +352,38 @@ class Anneal:
                 f">= 0; got {self.tail!r}, {self.tail_decay!r}, {self.tail_value!r}, "
                 f"{self.overflow_value!r}"
             )
-        if self.tail and not self.needs_forecast:
+        if self.tail and not self._oracle:
             raise ValueError(
                 f"Anneal tail needs forecast='oracle' or 'visits', got {self.forecast!r}"
+            )
+        if self.now and self.forecast not in ("ema", "reuse"):
+            raise ValueError(
+                f"Anneal now=True refines an online forecast ('ema' or 'reuse'), got "
+                f"{self.forecast!r}"
             )
         if self.forecast == "learned" and self.learned is None:
             raise ValueError("Anneal forecast='learned' needs learned=(w_0, ..., w_5, b), got None")
 
     @property
-    def needs_forecast(self) -> bool:
+    def _oracle(self) -> bool:
         return self.forecast in ("oracle", "visits")
 
+    @property
+    def needs_forecast(self) -> bool:
+        """obs.forecast is needed: the oracles' future reads, or with `now` the current step's."""
+        return self._oracle or self.now
+
     def _planning_profile(self) -> HardwareProfile:
-        if self.needs_forecast or self.link_reserve == 0.0:
+        if self._oracle or self.link_reserve == 0.0:
             return self.profile
         bw = self.profile.link_bandwidth * (1.0 - self.link_reserve)
         return dataclasses.replace(self.profile, link_bandwidth=bw)
 
     @property
     def horizon(self) -> int:
-        """Future steps the plan needs forecast for: the (largest) window, then the tail."""
-        return self._energy_steps + self.tail
+        """Steps the plan needs obs.forecast for: the (largest) window, then the tail (oracles);
+        the current step (`now`)."""
+        return self._energy_steps + self.tail if self._oracle else 1
 
     @property
     def _energy_steps(self) -> int:
@@ -418,6 +438,8 @@ class Anneal:
         elapsed = jnp.maximum(self.next_window(state).astype(jnp.float32), 1.0)
         per_step = jnp.sum(obs.window_reads, axis=-1) / elapsed  # [layers]
         missing = jnp.maximum(per_step[None] - jnp.sum(a, axis=-1), 0.0)  # [W, layers]
+        if self.now:  # the current step's reads are known
+            missing = missing.at[0].set(0.0)
         cold = (1.0 - a0) * obs.valid
         host = jnp.sum(cold * ~obs.in_hbm, -1) / jnp.maximum(jnp.sum(cold, -1), 1e-9)  # [layers]
         return self.block_bytes * jnp.swapaxes(missing * host[None], 0, 1)
@@ -438,6 +460,49 @@ class Anneal:
         hl = jnp.where(later, (1.0 - r) * a + r * first, a)
         return dict(host_hbm=jnp.swapaxes(hh, 0, 1), host_link=jnp.swapaxes(hl, 0, 1))
 
+    def _online_forecast(
+        self, obs: Observation, step, h: int, last_read=None, read_ema=None, streak=None
+    ):
+        """[h, layers, N] P(read) from the past reads alone ("ema" or "reuse") for the window
+        that starts at `step`; last_read / read_ema / streak default to obs's."""
+        last_read = obs.last_read if last_read is None else last_read
+        read_ema = obs.read_ema if read_ema is None else read_ema
+        streak = obs.streak if streak is None else streak
+        if self.forecast == "ema":
+            return imp.ema_forecast(read_ema, last_read, step, obs.valid, h)
+        if obs.since_seen is None or obs.since_read is None:
+            raise ValueError(
+                "Anneal forecast='reuse' needs obs.since_seen and obs.since_read (the reuse "
+                "counts of importance.Stats), got None"
+            )
+        return imp.reuse_forecast(
+            obs.since_seen,
+            obs.since_read,
+            last_read,
+            step,
+            obs.valid,
+            h,
+            read_ema=read_ema,
+            streak=streak,
+        )
+
+    def _now_forecast(self, obs: Observation, h: int):
+        """`now`: row 0 is the current step's reads (obs.forecast[0]); rows 1 .. h - 1 are the
+        online forecast from the statistics with that step folded in (a visit that starts now is
+        known to have started)."""
+        r0 = (obs.forecast[0] > 0) & obs.valid
+        a0 = r0.astype(jnp.float32)[None]
+        if h == 1:
+            return a0
+        last_read = jnp.where(r0, obs.step, obs.last_read)
+        read_ema = imp.READ_DECAY * obs.read_ema + (1.0 - imp.READ_DECAY) * a0[0]
+        streak = obs.streak
+        if streak is not None:
+            ran = imp.read_last_step(obs.last_read, obs.step)
+            streak = jnp.where(r0, jnp.where(ran, streak + 1, 1), streak)
+        rest = self._online_forecast(obs, obs.step + 1, h - 1, last_read, read_ema, streak)
+        return jnp.concatenate([a0, rest], axis=0)
+
     def plan(self, state: AnnealPolicyState, obs: Observation):
         h = self._energy_steps
         window, prev_hit = state.window, state.prev_hit
@@ -450,7 +515,7 @@ class Anneal:
             prev_hit = hit
         active = (jnp.arange(h) < window).astype(jnp.float32)  # [h]
         unforeseen = None
-        if self.needs_forecast:
+        if self._oracle:
             _require_forecast(self, obs)
             reads = obs.forecast * obs.valid[None]
             reads = jnp.pad(reads, ((0, max(h - reads.shape[0], 0)), (0, 0), (0, 0)))
@@ -461,24 +526,11 @@ class Anneal:
                 reads = going
                 obs = dataclasses.replace(obs, forecast=going)  # the tail value sees visits only
             a = reads[:h]
-        elif self.forecast == "ema":
-            a = imp.ema_forecast(obs.read_ema, obs.last_read, obs.step, obs.valid, h)
-        elif self.forecast == "reuse":
-            if obs.since_seen is None or obs.since_read is None:
-                raise ValueError(
-                    "Anneal forecast='reuse' needs obs.since_seen and obs.since_read (the reuse "
-                    "counts of importance.Stats), got None"
-                )
-            a = imp.reuse_forecast(
-                obs.since_seen,
-                obs.since_read,
-                obs.last_read,
-                obs.step,
-                obs.valid,
-                h,
-                read_ema=obs.read_ema,
-                streak=obs.streak,
-            )
+        elif self.now:
+            _require_forecast(self, obs)
+            a = self._now_forecast(obs, h)
+        elif self.forecast in ("ema", "reuse"):
+            a = self._online_forecast(obs, obs.step, h)
         else:
             stats = imp.Stats(obs.last_read, obs.read_ema, obs.mass_ema, obs.read_ema)
             feats = imp.features(stats, obs.step, obs.valid, self.prompt_len, self.block_size)
@@ -503,7 +555,7 @@ class Anneal:
         fixed_link = None
         if unforeseen is not None:
             fixed_link = unforeseen * active[None]
-        elif self.unforeseen and not self.needs_forecast and wr is not None:
+        elif self.unforeseen and not self._oracle and wr is not None:
             fixed_link = self._unforeseen_link(a, a0, obs, state) * active[None]
         kept = jnp.zeros_like(a0)
         if self.keep_fetched:

@@ -69,6 +69,12 @@ def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> 
     p.add_argument("--window", type=int, default=10, help="anneal lookahead W")
     p.add_argument("--interval", type=int, default=1, help="anneal: steps between plans")
     p.add_argument("--discount", type=float, default=0.8, help="anneal: per-step discount")
+    p.add_argument(
+        "--now-window",
+        type=int,
+        default=3,
+        help="anneal+now: lookahead W (it knows the step it plans for, so plans over few steps)",
+    )
     p.add_argument("--oracle-window", type=int, default=3, help="anneal-oracle lookahead W")
     p.add_argument(
         "--oracle-discount",
@@ -114,6 +120,7 @@ def simulation_kwargs(args) -> dict:
         window=args.window,
         interval=args.interval,
         discount=args.discount,
+        now_window=args.now_window,
         oracle_window=args.oracle_window,
         oracle_discount=args.oracle_discount,
         oracle_tail=args.oracle_tail,

@@ -178,7 +178,16 @@ def test_weight_dominated_steps_lend_their_link_time():
 
 
 FAST = AnnealConfig(chains=4, max_iters=100)
-NAMES = ["static", "lru", "page", "paper-sa", "anneal", "anneal-oracle", "anneal+reuse"]
+NAMES = [
+    "static",
+    "lru",
+    "page",
+    "paper-sa",
+    "anneal",
+    "anneal-oracle",
+    "anneal+reuse",
+    "anneal+now",
+]
 # KV-dominated (the cache bound binds) and weight-dominated (Unlimited is weights / B_hbm)
 SMALL = cost.Geometry("small", 2, 1, 8, 2, 64.0, 0.0)  # 32 bytes per token-layer
 MID = cost.Geometry("mid", 2, 1, 8, 2, 4096.0, 0.0)  # weights dominate the steps that read few

@@ -190,6 +190,13 @@ def test_error_oracle_policy_in_live_decode(tiny):
     model, _ = tiny
     with pytest.raises(ValueError, match=r"policy 'anneal-oracle' plans from perfect knowledge"):
         Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(policy="anneal-oracle"))
+    with pytest.raises(ValueError, match=r"with now=True plans with the current step's read set"):
+        Decoder(
+            model,
+            _cfg(model, hbm=1.0),
+            PlacementConfig(policy="anneal"),
+            policy_kwargs={"now": True},
+        )
 
 
 def test_error_prompt_longer_than_cache(tiny):

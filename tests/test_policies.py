@@ -55,6 +55,10 @@ ALL = {
     "anneal+reuse": P.Anneal(forecast="reuse", unforeseen=True, window=H, config=FAST),
     "anneal+reuse+runs": P.Anneal(forecast="reuse", unforeseen=True, window=H, config=FAST),
     "anneal-oracle+visits": P.Anneal(forecast="visits", window=2, tail=H - 2, config=FAST),
+    "anneal+now": P.Anneal(now=True, window=H, config=FAST),
+    "anneal+reuse+now+runs": P.Anneal(
+        forecast="reuse", unforeseen=True, now=True, window=H, config=FAST
+    ),
     "anneal-learned": P.Anneal(
         forecast="learned", learned=(1.0, 0, 0, 0, 0, 0, -1.0), window=H, config=FAST
     ),
@@ -134,6 +138,61 @@ def test_visits_oracle_sees_a_visit_in_progress_but_not_one_to_come():
     assert t[:, 10:12].all() and not t[:, 12].any()
     _, t = P.Anneal(forecast="oracle", **kw).plan(P.Anneal().init(L, N), obs)
     assert np.asarray(t)[:, 10:13].all()  # the full oracle promotes all three
+
+
+@pytest.mark.parametrize("forecast", ["ema", "reuse"])
+def test_now_forecast_is_the_step_read_then_the_online_forecast_from_after_it(forecast):
+    obs = observation(runs=True)
+    pol = P.Anneal(forecast=forecast, now=True, window=H, config=FAST)
+    a = np.asarray(pol._now_forecast(obs, H))
+    r0 = (np.asarray(obs.forecast[0]) > 0) & np.asarray(obs.valid)
+    np.testing.assert_array_equal(a[0], r0)
+    # rows 1.. : the online forecast for the window from step + 1, with the step's reads folded
+    # in as update_stats folds them (the reuse law's counts are those of the observation)
+    stats = imp.Stats(
+        obs.last_read, obs.read_ema, obs.mass_ema, obs.window_reads, streak=obs.streak
+    )
+    after = imp.update_stats(stats, jnp.asarray(r0), jnp.ones((L, N)), obs.step, obs.valid)
+    plain = P.Anneal(forecast=forecast, window=H, config=FAST)
+    moved = dataclasses.replace(
+        obs, last_read=after.last_read, read_ema=after.read_ema, streak=after.streak
+    )
+    want = np.asarray(plain._online_forecast(moved, obs.step + 1, H - 1))
+    np.testing.assert_allclose(a[1:], want, rtol=1e-6, atol=1e-7)
+    if forecast == "reuse":  # the random law of `observation` need not favour a fresh read
+        return
+    # a block that starts a visit now is forecast as one read at the last step
+    start = r0 & ~np.asarray(imp.read_last_step(obs.last_read, obs.step))
+    ahead = np.asarray(plain._online_forecast(obs, obs.step + 1, H - 1))
+    assert (a[1][start] >= ahead[0][start] - 1e-6).all() and (a[1][start] > ahead[0][start]).any()
+
+
+def test_now_needs_the_step_reads_and_an_online_forecast():
+    obs = dataclasses.replace(observation(), forecast=None)
+    pol = P.Anneal(now=True, window=H, config=FAST)
+    assert pol.needs_forecast and pol.horizon == 1
+    with pytest.raises(ValueError, match="needs obs.forecast"):
+        pol.plan(pol.init(L, N), obs)
+    with pytest.raises(ValueError, match=r"now=True refines an online forecast .* 'oracle'"):
+        P.Anneal(forecast="oracle", now=True)
+
+
+def test_now_promotes_a_visit_that_starts_at_this_step():
+    obs = observation()
+    f = np.zeros((H, L, N), np.float32)
+    f[0, :, 10:13] = 1.0  # host blocks 10-12 read now, never before
+    last = np.asarray(obs.last_read).copy()
+    last[:, 10:13] = -1
+    ema = np.asarray(obs.read_ema).copy()
+    ema[:, 10:13] = 0.0
+    obs = dataclasses.replace(
+        obs, forecast=jnp.asarray(f), last_read=jnp.asarray(last), read_ema=jnp.asarray(ema)
+    )
+    kw = dict(window=H, config=FAST, fixed_bytes=0.0, link_reserve=0.0)
+    _, t = P.Anneal(now=True, **kw).plan(P.Anneal().init(L, N), obs)
+    assert np.asarray(t)[:, 10:13].all()  # the promotion rides on this step's read
+    _, t = P.Anneal(**kw).plan(P.Anneal().init(L, N), obs)
+    assert not np.asarray(t)[:, 10:13].any()  # unseen blocks: nothing to go on
 
 
 def test_compensation_triggers_on_a_bad_forecast():

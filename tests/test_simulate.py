@@ -96,6 +96,7 @@ NAMES = [
     "anneal-oracle+visits",
     "anneal+aw+ec",
     "anneal+reuse",
+    "anneal+reuse+now",
 ]
 
 
@@ -220,13 +221,41 @@ def test_cli_unknown_policy_lists_names(capsys):
 
 def test_unknown_modifier():
     with pytest.raises(
-        ValueError, match=r"unknown modifier 'xx'; expected 'aw', 'ec', 'reuse' or 'visits'"
+        ValueError, match=r"unknown modifier 'xx'; expected 'aw', 'ec', 'reuse', 'now' or 'visits'"
     ):
         run(["anneal+xx"])
-    with pytest.raises(ValueError, match=r"\+reuse is an online forecast, for anneal only"):
+    with pytest.raises(ValueError, match=r"\+reuse refines the online forecast, for anneal only"):
         run(["anneal-oracle+reuse"])
     with pytest.raises(ValueError, match=r"\+visits cuts the oracle, for anneal-oracle only"):
         run(["anneal+visits"])
+    with pytest.raises(ValueError, match=r"\+now refines the online forecast, for anneal only"):
+        run(["anneal-oracle+now"])
+
+
+def test_now_promotes_a_visit_at_its_first_read():
+    # block 5 (never read before) is read at every step: anneal reads it from host at step 0,
+    # unforeseen, and promotes it on its second read (a host read too); anneal+now knows step 0's
+    # reads and promotes it as it is first read: 4 of 5 reads from HBM instead of 3
+    ids = np.full((5, 1, 1), 5, np.int32)
+    mass = np.ones((5, 1, 1), np.float32)
+    trace = tr.validate(dict(version=1, prompt_len=8, block_size=1, ids=ids, mass=mass))
+    out = sim.simulate(
+        trace,
+        ["anneal", "anneal+now"],
+        profile=PROF,
+        geometry=GEO,
+        sparsity=0.0,
+        capacity_blocks=2,
+        chunk=5,
+        anneal_config=AnnealConfig(chains=4, max_iters=100),
+        progress=False,
+        time_plans=False,
+    )["policies"]
+    assert out["anneal"]["hbm_hit_rate"] == pytest.approx(3 / 5)
+    assert out["anneal+now"]["hbm_hit_rate"] == pytest.approx(4 / 5)
+    assert out["anneal+now"]["latency_s"] < out["anneal"]["latency_s"]
+    pol = sim.make_policy("anneal+reuse+now", sim.Setup(8, 1, 1, 13, 2, 4, 10.0, PROF), window=3)
+    assert pol.now and pol.ride == 1.0 and pol.forecast == "reuse" and pol.horizon == 1
 
 
 def test_modifier_on_wrong_policy():
