@@ -279,13 +279,17 @@ class Anneal:
       CLI's llama3-8b default, recency-low 0.6, 256 steps: 1.085 x Unlimited, 1.000 without).
       0 = off; the simulator's anneal-oracle uses 30 steps (`jaxkv.simulate`'s `oracle_tail`).
     overflow_value: with a tail, the terminal value of a layer whose pool the window's first
-      step overflows (it reads more blocks than the pool holds): every block that step reads,
+      step overflows (it reads more blocks than the pool holds), or whose first step the current
+      placement leaves link-bound (with a pool that cannot hold every block): every block that
+      step reads,
       on host or not, and every resident block is worth overflow_value x sum_k tail_decay^k x
       [read at window step W + k] link transfers: its reads after the window, not only the
       next one. Then every slot is contested and a block's worth is how long it keeps being
       read: the plan fills the pool with the visits that last, as Page does by attention mass,
       instead of any block the window reads (measured at s = 0.4, 256 steps: 11% / 10% faster
-      on patterns / recency-low, where Page beat the oracle). Host blocks not read at the first
+      on patterns / recency-low, where Page beat the oracle; the link-bound gate, at 2,048 steps:
+      recency-high 0.8 / 0.6 1.116 / 1.924 -> 1.078 / 1.883, patterns 0.6 / 0.8 +0.3% / +0.8%,
+      the other cells within 0.4%). Host blocks not read at the first
       step get no value (no prefetch for reads beyond the window). Where the pool holds the
       step's reads, a whole-visit value pushes the hit rate past the balance point (patterns
       0.6: 1.024 -> 1.068), so the Belady value above applies there. 0 = off.
@@ -392,8 +396,9 @@ class Anneal:
     def _tail_value(self, obs: Observation, h: int):
         """[layers, N] seconds: the terminal value of each block from its reads after the
         window's first `h` steps, or None: Belady's (the next read; resident blocks only: see
-        `tail`), or, in a layer whose pool the first step overflows, every read (resident
-        blocks and the first step's reads: see `overflow_value`)."""
+        `tail`), or, in a layer whose pool the first step overflows or whose first step is
+        link-bound, every read (resident blocks and the first step's reads: see
+        `overflow_value`)."""
         if not self.tail:
             return None
         f = obs.forecast[h : h + self.tail] > 0  # [tail, layers, N]
@@ -411,6 +416,12 @@ class Anneal:
             return belady
         now = obs.valid & (obs.forecast[0] > 0)
         over = jnp.sum(now, axis=-1, keepdims=True) > obs.capacity  # [layers, 1]
+        # or whose first step the current placement leaves link-bound: the link, not a slot,
+        # is then what every read contends for, and a visit that lasts is worth its whole length
+        b = self.block_bytes
+        link0 = b * jnp.sum(now & ~obs.in_hbm, -1) / self.profile.link_bandwidth
+        hbm0 = (self.fixed_bytes + b * jnp.sum(now & obs.in_hbm, -1)) / self.profile.hbm_bandwidth
+        over = over | ((link0 > hbm0)[:, None] & full)
         reads = jnp.sum(jnp.where(f, self.tail_decay**k, 0.0), axis=0)
         whole = jnp.where(resident | now, self.overflow_value * unit * reads, 0.0)
         return jnp.where(over, whole, belady)

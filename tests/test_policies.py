@@ -309,6 +309,12 @@ def test_overflow_value_counts_every_read_after_the_window_where_the_pool_overfl
     assert v[1, 0] == pytest.approx(0.5 * unit)
     assert v[1, 1] == pytest.approx(0.5 * unit * 0.25)
     assert v[1, 10] == 0.0 and v[1, 14] == 0.0
+    # without weights, layer 1's first step (1 resident read, 2 host reads) is link-bound under
+    # the current placement: the whole-visit value applies there too
+    v = np.asarray(dataclasses.replace(pol, fixed_bytes=0.0)._tail_value(obs, 2))
+    assert v[1, 0] == pytest.approx(0.2 * unit * (1 + 0.5 + 0.25))
+    assert v[1, 10] == pytest.approx(0.2 * unit * (1 + 0.5 + 0.25))
+    assert v[1, 14] == 0.0
 
 
 def test_unforeseen_charges_the_reads_the_forecast_cannot_place():
