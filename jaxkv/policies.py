@@ -280,16 +280,18 @@ class Anneal:
       0 = off; the simulator's anneal-oracle uses 30 steps (`jaxkv.simulate`'s `oracle_tail`).
     overflow_value: with a tail, the terminal value of a layer whose pool the window's first
       step overflows (it reads more blocks than the pool holds), or whose first step the current
-      placement leaves link-bound (with a pool that cannot hold every block): every block that
-      step reads,
+      placement leaves link-bound by `overflow_link_ratio` (its host reads take that many times
+      as long as its HBM side; the pool cannot hold every block): every block that step reads,
       on host or not, and every resident block is worth overflow_value x sum_k tail_decay^k x
       [read at window step W + k] link transfers: its reads after the window, not only the
       next one. Then every slot is contested and a block's worth is how long it keeps being
       read: the plan fills the pool with the visits that last, as Page does by attention mass,
       instead of any block the window reads (measured at s = 0.4, 256 steps: 11% / 10% faster
-      on patterns / recency-low, where Page beat the oracle; the link-bound gate, at 2,048 steps:
-      recency-high 0.8 / 0.6 1.116 / 1.924 -> 1.078 / 1.883, patterns 0.6 / 0.8 +0.3% / +0.8%,
-      the other cells within 0.4%). Host blocks not read at the first
+      on patterns / recency-low, where Page beat the oracle). The link-bound gate at 2,048 steps:
+      ratio 1.0 takes recency-high 0.8 / 0.6 from 1.116 / 1.924 to 1.078 / 1.883 but costs
+      patterns 0.6 / 0.8 0.3% / 0.8% and recency-low 0.6 0.1%, where the step hovers at the
+      balance point; 1.2 keeps half the gain on recency-high 0.8 (1.097) and those cells as they
+      were; 2.0 fires almost never (bench/RESULTS.md). Host blocks not read at the first
       step get no value (no prefetch for reads beyond the window). Where the pool holds the
       step's reads, a whole-visit value pushes the hit rate past the balance point (patterns
       0.6: 1.024 -> 1.068), so the Belady value above applies there. 0 = off.
@@ -323,6 +325,7 @@ class Anneal:
     tail_value: float = 0.1
     tail_decay: float = 0.9
     overflow_value: float = 0.03
+    overflow_link_ratio: float = 1.2
     budget: int | None = None
     config: AnnealConfig = AnnealConfig()
     adaptive: bool = False
@@ -350,11 +353,12 @@ class Anneal:
             or not 0.0 < self.tail_decay <= 1.0
             or self.tail_value < 0.0
             or self.overflow_value < 0.0
+            or not self.overflow_link_ratio > 0.0
         ):
             raise ValueError(
                 f"Anneal tail must be >= 0, tail_decay in (0, 1], tail_value and overflow_value "
-                f">= 0; got {self.tail!r}, {self.tail_decay!r}, {self.tail_value!r}, "
-                f"{self.overflow_value!r}"
+                f">= 0, overflow_link_ratio > 0; got {self.tail!r}, {self.tail_decay!r}, "
+                f"{self.tail_value!r}, {self.overflow_value!r}, {self.overflow_link_ratio!r}"
             )
         if self.tail and not self._oracle:
             raise ValueError(
@@ -416,12 +420,13 @@ class Anneal:
             return belady
         now = obs.valid & (obs.forecast[0] > 0)
         over = jnp.sum(now, axis=-1, keepdims=True) > obs.capacity  # [layers, 1]
-        # or whose first step the current placement leaves link-bound: the link, not a slot,
-        # is then what every read contends for, and a visit that lasts is worth its whole length
+        # or whose first step the current placement leaves link-bound (by overflow_link_ratio):
+        # the link, not a slot, is then what every read contends for, and a visit that lasts is
+        # worth its whole length
         b = self.block_bytes
         link0 = b * jnp.sum(now & ~obs.in_hbm, -1) / self.profile.link_bandwidth
         hbm0 = (self.fixed_bytes + b * jnp.sum(now & obs.in_hbm, -1)) / self.profile.hbm_bandwidth
-        over = over | ((link0 > hbm0)[:, None] & full)
+        over = over | ((link0 > self.overflow_link_ratio * hbm0)[:, None] & full)
         reads = jnp.sum(jnp.where(f, self.tail_decay**k, 0.0), axis=0)
         whole = jnp.where(resident | now, self.overflow_value * unit * reads, 0.0)
         return jnp.where(over, whole, belady)

@@ -263,6 +263,8 @@ def test_bad_tail():
         P.Anneal(tail=4)
     with pytest.raises(ValueError, match=r"tail must be >= 0, tail_decay in \(0, 1\]"):
         P.Anneal(forecast="oracle", tail=4, tail_decay=0.0)
+    with pytest.raises(ValueError, match=r"overflow_link_ratio > 0; got .* 0.0"):
+        P.Anneal(forecast="oracle", tail=4, overflow_link_ratio=0.0)
 
 
 def test_tail_value_prices_a_resident_block_by_its_next_read_after_the_window():
@@ -315,6 +317,13 @@ def test_overflow_value_counts_every_read_after_the_window_where_the_pool_overfl
     assert v[1, 0] == pytest.approx(0.2 * unit * (1 + 0.5 + 0.25))
     assert v[1, 10] == pytest.approx(0.2 * unit * (1 + 0.5 + 0.25))
     assert v[1, 14] == 0.0
+    # link-bound by 1.1 x only: below the default ratio (1.2) Belady's value stays
+    b, prof = pol.block_bytes, pol.profile
+    fixed = prof.hbm_bandwidth * 2 * b / (prof.link_bandwidth * 1.1) - b
+    near = dataclasses.replace(pol, fixed_bytes=fixed)
+    assert np.asarray(near._tail_value(obs, 2))[1, 0] == pytest.approx(0.5 * unit)
+    v = np.asarray(dataclasses.replace(near, overflow_link_ratio=1.0)._tail_value(obs, 2))
+    assert v[1, 0] == pytest.approx(0.2 * unit * (1 + 0.5 + 0.25))
 
 
 def test_unforeseen_charges_the_reads_the_forecast_cannot_place():
