@@ -290,7 +290,7 @@ class Anneal:
       on patterns / recency-low, where Page beat the oracle). The link-bound gate at 2,048 steps:
       ratio 1.0 takes recency-high 0.8 / 0.6 from 1.116 / 1.924 to 1.078 / 1.883 but costs
       patterns 0.6 / 0.8 0.3% / 0.8% and recency-low 0.6 0.1%, where the step hovers at the
-      balance point; 1.2 keeps half the gain on recency-high 0.8 (1.097) and those cells as they
+      balance point; 1.2 keeps half the gain on recency-high 0.8 (1.098) and those cells as they
       were; 2.0 fires almost never (bench/RESULTS.md). Host blocks not read at the first
       step get no value (no prefetch for reads beyond the window). Where the pool holds the
       step's reads, a whole-visit value pushes the hit rate past the balance point (patterns
