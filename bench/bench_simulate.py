@@ -33,6 +33,8 @@ OURS = [
     "anneal+aw",
     "anneal+ec",
     "anneal+aw+ec",
+    "anneal+reuse",
+    "anneal+reuse+now",
     "anneal-oracle",
     "unlimited",
 ]
