@@ -120,20 +120,38 @@ def update_stats(stats: Stats, reads, mass, step, valid=None) -> Stats:
         v = jnp.ones(reads.shape, jnp.float32) if valid is None else valid.astype(jnp.float32)
         seen = (REUSE_DECAY * seen).at[rows, cls].add(v)
         got = (REUSE_DECAY * got).at[rows, cls].add(v * reads)
-    streak = stats.streak
-    if streak is not None:
-        streak = jnp.where(
-            reads, jnp.where(read_last_step(stats.last_read, step), streak + 1, 1), streak
-        )
+    last_read, read_ema, streak = fold_reads(
+        stats.last_read, stats.read_ema, stats.streak, reads, step, d
+    )
     return Stats(
-        last_read=jnp.where(reads, step, stats.last_read),
-        read_ema=d * stats.read_ema + (1.0 - d) * reads,
+        last_read=last_read,
+        read_ema=read_ema,
         mass_ema=d * stats.mass_ema + (1.0 - d) * share,
         window_reads=stats.window_reads + reads,
         since_seen=seen,
         since_read=got,
         streak=streak,
         decay=d,
+    )
+
+
+def fold_reads(last_read, read_ema, streak, reads, step, decay: float = READ_DECAY):
+    """The per-block statistics after a step's reads (`update_stats` without the reuse counts).
+
+    Args:
+      last_read: [layers, N] int32; read_ema: [layers, N] float32; streak: [layers, N] int32
+        run lengths, or None.
+      reads: [layers, N] bool, blocks read at `step`.
+    Returns:
+      (last_read, read_ema, streak).
+    """
+    if streak is not None:
+        ran = read_last_step(last_read, step)
+        streak = jnp.where(reads, jnp.where(ran, streak + 1, 1), streak)
+    return (
+        jnp.where(reads, step, last_read),
+        decay * read_ema + (1.0 - decay) * reads,
+        streak,
     )
 
 

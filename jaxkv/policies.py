@@ -510,12 +510,9 @@ class Anneal:
         a0 = r0.astype(jnp.float32)[None]
         if h == 1:
             return a0
-        last_read = jnp.where(r0, obs.step, obs.last_read)
-        read_ema = imp.READ_DECAY * obs.read_ema + (1.0 - imp.READ_DECAY) * a0[0]
-        streak = obs.streak
-        if streak is not None:
-            ran = imp.read_last_step(obs.last_read, obs.step)
-            streak = jnp.where(r0, jnp.where(ran, streak + 1, 1), streak)
+        last_read, read_ema, streak = imp.fold_reads(
+            obs.last_read, obs.read_ema, obs.streak, r0, obs.step
+        )
         rest = self._online_forecast(obs, obs.step + 1, h - 1, last_read, read_ema, streak)
         return jnp.concatenate([a0, rest], axis=0)
 
