@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         f"# prompt {args.prompt_len}, {args.steps} steps, {args.layers} layers, geometry "
         f"{args.geometry}, profile {args.profile}, anneal W={args.window} interval="
         f"{args.interval} discount={args.discount} ride={args.ride} (+now W="
-        f"{args.now_window}, ride 1; oracle W="
+        f"{args.now_window}, ride 1, spread {args.now_spread}; oracle W="
         f"{args.oracle_window} discount={args.oracle_discount} tail={args.oracle_tail}) "
         f"chains={args.chains}"
     )

@@ -20,6 +20,9 @@ cache), all charged to the window's first step
 (see `jaxkv.cost`), and v_i >= 0 an optional terminal value (seconds): what leaving block i on host
 costs after the window (e.g. the link transfer of a read beyond it), so that among placements
 the window alone cannot tell apart the planner keeps the blocks needed soonest (Belady's rule).
+With an optional spread s_t > 0 (`spread`: the loads are forecasts, uncertain), a step costs its
+expected time, E max(T_hbm, T_link + s_t Z) with Z standard normal, in place of the max of the
+loads; it keeps the plan's link time below the HBM time by a margin that grows with s_t.
 The state keeps per-step loads so the energy change of a proposal costs O(W).
 
 Proposals: swap one HBM block with one host block (capacity kept), or, with probability
@@ -80,6 +83,11 @@ class AnnealProblem:
     # at its first read (the read carries it to HBM, later reads hit): see `jaxkv.policies`.
     host_hbm: jax.Array | None = None
     host_link: jax.Array | None = None
+    # [layers, W] float32 seconds, or None (zeros): the deviation of each step's link time minus
+    # its HBM time around the loads' values (forecast uncertainty: reads the forecast cannot
+    # place); a step then costs its expected time, not the max of its expected loads (see
+    # `_energy_of_loads`)
+    spread: jax.Array | None = None
 
 
 @pytree_dataclass
@@ -104,10 +112,32 @@ class AnnealState:
     it: jax.Array  # [] int32
 
 
-def _energy_of_loads(hbm, link, fixed, weight, profile: HardwareProfile):
-    """hbm, link: [..., W] bytes; fixed, weight: [W] -> [...] seconds."""
-    t = jnp.maximum((hbm + fixed) / profile.hbm_bandwidth, link / profile.link_bandwidth)
+def _energy_of_loads(hbm, link, fixed, weight, profile: HardwareProfile, spread=None):
+    """hbm, link: [..., W] bytes; fixed, weight: [W]; spread: None or broadcastable to [..., W]
+    seconds -> [...] seconds.
+
+    Each step costs max(HBM time, link time), or with a spread s > 0 its expectation when the
+    link time minus the HBM time is Gaussian around the loads' difference d with deviation s:
+    HBM time + s phi(d / s) + d Phi(d / s) (>= the max of the means; equal at s = 0).
+    """
+    th = (hbm + fixed) / profile.hbm_bandwidth
+    tl = link / profile.link_bandwidth
+    t = jnp.maximum(th, tl)
+    if spread is not None:
+        s = jnp.broadcast_to(spread, t.shape)
+        safe = jnp.maximum(s, 1e-30)
+        z = (tl - th) / safe
+        smooth = th + safe * jax.scipy.stats.norm.pdf(z) + (tl - th) * jax.scipy.special.ndtr(z)
+        t = jnp.where(s > 0, jnp.maximum(smooth, t), t)
     return jnp.sum(t * weight, axis=-1)
+
+
+def _spread(problem: AnnealProblem, ndim: int):
+    """problem.spread [layers, W] reshaped to broadcast with [layers, ..., W] (ndim axes)."""
+    if problem.spread is None:
+        return None
+    sp = problem.spread.astype(jnp.float32)
+    return sp.reshape(sp.shape[:1] + (1,) * (ndim - 2) + sp.shape[1:])
 
 
 def loads(problem: AnnealProblem, x):
@@ -179,7 +209,8 @@ def energy(problem: AnnealProblem, x):
     The window's step times plus the terminal value of every block left out of HBM.
     """
     hbm, link = loads(problem, x)
-    e = _energy_of_loads(hbm, link, problem.fixed, problem.weight, problem.profile)
+    sp = _spread(problem, hbm.ndim)
+    e = _energy_of_loads(hbm, link, problem.fixed, problem.weight, problem.profile, sp)
     return e + _miss(problem, x)
 
 
@@ -221,6 +252,7 @@ def _best_prefix(problem: AnnealProblem, score):
         problem.fixed,
         problem.weight,
         problem.profile,
+        _spread(problem, 3),
     ) + (jnp.sum(v, -1, keepdims=True) - sums(v))  # [L, N+1]
     nvalid = jnp.sum(valid, axis=-1, keepdims=True)
     ok = (k <= cap) & (k <= nvalid) & (pro + dem <= problem.budget)
@@ -321,6 +353,7 @@ def _best_swaps(problem: AnnealProblem, score):
             problem.fixed,
             problem.weight,
             problem.profile,
+            _spread(problem, 3),
         )
         + miss
     )  # [L, N + 1]
@@ -359,7 +392,8 @@ def init(
     valid = jnp.broadcast_to(problem.valid[:, None, :], (layers, c, n))
     hbm, link = loads(problem, x)
     miss = _miss(problem, x)
-    e = _energy_of_loads(hbm, link, problem.fixed, problem.weight, problem.profile) + miss
+    sp = _spread(problem, hbm.ndim)
+    e = _energy_of_loads(hbm, link, problem.fixed, problem.weight, problem.profile, sp) + miss
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)
     keys = jax.random.key_data(jax.random.split(key, (layers, c)))  # [layers, C, 2]
@@ -393,6 +427,7 @@ def _chain_step(
     val,
     fixed,
     weight,
+    spread,
     x,
     perm,
     count,
@@ -412,6 +447,7 @@ def _chain_step(
     move_prob,
     d,
     has_hh,
+    has_spread,
 ):
     """One proposal for one chain. a, hh, hl: [W, N] (forecast, host-side HBM and link loads;
     hh unused unless has_hh); x0, ph, pl, val, x, perm: [N]; hbm, link: [W]; miss, e: []
@@ -458,7 +494,8 @@ def _chain_step(
     new_hbm, new_link = hbm + dh + b * dm_h * first, link + b * (li - lj) + b * dm_l * first
     # i leaves HBM (its terminal value now counts), j enters (its value no longer does)
     new_miss = miss + jnp.where(has_i, val[i], 0.0) - jnp.where(has_j, val[j], 0.0)
-    new_e = _energy_of_loads(new_hbm, new_link, fixed, weight, profile) + new_miss
+    sp = spread if has_spread else None
+    new_e = _energy_of_loads(new_hbm, new_link, fixed, weight, profile, sp) + new_miss
     de = new_e - e
     metropolis = jax.random.uniform(k_acc) < jnp.exp(
         -jnp.maximum(de, 0.0) / jnp.maximum(temp, 1e-30)
@@ -493,9 +530,10 @@ def step(problem: AnnealProblem, state: AnnealState, config: AnnealConfig = Anne
         move_prob=config.move_prob,
         d=problem.demote_cost,
         has_hh=problem.host_hbm is not None,
+        has_spread=problem.spread is not None,
     )
-    over_chains = jax.vmap(chain, in_axes=(None,) * 9 + (0,) * 11)
-    over_layers = jax.vmap(over_chains, in_axes=(0,) * 7 + (None, None) + (0,) * 11)
+    over_chains = jax.vmap(chain, in_axes=(None,) * 10 + (0,) * 11)
+    over_layers = jax.vmap(over_chains, in_axes=(0,) * 7 + (None, None, 0) + (0,) * 11)
     a = problem.forecast
     x, perm, count, moved, hbm, link, miss, e, key = over_layers(
         a,
@@ -507,6 +545,9 @@ def step(problem: AnnealProblem, state: AnnealState, config: AnnealConfig = Anne
         _value(problem),
         problem.fixed,
         problem.weight,
+        jnp.zeros(problem.x0.shape[:1] + problem.weight.shape, jnp.float32)
+        if problem.spread is None
+        else problem.spread.astype(jnp.float32),
         state.x,
         state.perm,
         state.count,

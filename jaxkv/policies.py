@@ -303,6 +303,20 @@ class Anneal:
       it every visit's first read comes from host unforeseen, and its promotion rides on its
       second read, also a host read: two link reads per visit instead of one. Our decode loop
       plans between steps and refuses it (`jaxkv.decode`).
+    spread: price each step at its expected time under the forecast's uncertainty, not at the
+      max of its expected loads (`anneal.AnnealProblem.spread`): the link reads of the blocks
+      on host are Bernoulli draws of their link loads (with `ride`, the first-read
+      probabilities), the reads the forecast cannot place (`unforeseen`) a Poisson count, and
+      the step's link time minus its HBM time is Gaussian with `spread` x that deviation. The
+      max of the expected loads puts the plan at the balance point, where half the steps
+      overrun on the link at about 11x the HBM's cost per byte; the expectation keeps the link
+      about 1.4 deviations below it (fewer blocks left on host to feed the link, so fewer
+      demoted and promoted back). With the 0/1 oracle forecast and a known step (`now`,
+      row 0) the deviation is 0. 1.5 (the `+now` policies' value: the Bernoulli deviation at
+      1.0 does most of it, 1.5 and 2.0 are level) takes anneal+reuse+now at 512 steps from
+      1.052 / 1.072 / 1.042 / 1.034 to 1.039 / 1.058 / 1.027 / 1.020 x Unlimited on patterns
+      0.5, recency-low 0.6, patterns 0.6 and 0.8, and leaves the cells no placement balances
+      (s = 0.4, recency-high) as they were (bench/RESULTS.md). 0 = off.
     The energy model (profile, block bytes, weights, demotion cost) should match the cost model
     the policy is judged by; the simulator passes its own.
     """
@@ -337,6 +351,7 @@ class Anneal:
     rollback: int = 5
     learned: tuple | None = None  # (w_0 .. w_5, b) of importance.learned_forecast
     now: bool = False
+    spread: float = 0.0
     prompt_len: int = 0
     block_size: int = 16
     seed: int = 0
@@ -369,6 +384,8 @@ class Anneal:
                 f"Anneal now=True refines an online forecast ('ema' or 'reuse'), got "
                 f"{self.forecast!r}"
             )
+        if not 0.0 <= self.spread < float("inf"):
+            raise ValueError(f"Anneal spread must be finite and >= 0, got {self.spread!r}")
         if self.forecast == "learned" and self.learned is None:
             raise ValueError("Anneal forecast='learned' needs learned=(w_0, ..., w_5, b), got None")
 
@@ -516,6 +533,18 @@ class Anneal:
         rest = self._online_forecast(obs, obs.step + 1, h - 1, last_read, read_ema, streak)
         return jnp.concatenate([a0, rest], axis=0)
 
+    def _link_variance(self, a, host, fixed_link, off):
+        """[W, layers]: the variance (blocks^2) of each step's link reads from the blocks `off`
+        [layers, N] leaves on host, each read a Bernoulli of its host-side link load
+        (`_host_loads`, or the forecast `a` [W, layers, N]), plus the reads the forecast cannot
+        place (`fixed_link` [layers, W] bytes) as a Poisson count."""
+        hl = jnp.swapaxes(host["host_link"], 0, 1) if host else a  # [W, L, N]
+        hl = jnp.clip(hl, 0.0, 1.0) * off[None]
+        var = jnp.sum(hl * (1.0 - hl), -1)
+        if fixed_link is not None:
+            var = var + jnp.swapaxes(fixed_link, 0, 1) / self.block_bytes
+        return var
+
     def plan(self, state: AnnealPolicyState, obs: Observation):
         h = self._energy_steps
         window, prev_hit = state.window, state.prev_hit
@@ -574,6 +603,11 @@ class Anneal:
         if self.keep_fetched:
             kept = (imp.read_last_step(obs.last_read, obs.step) & ~obs.in_hbm).astype(jnp.float32)
         host = self._host_loads(a) if self.ride > 0.0 else {}
+        spread = None
+        if self.spread:  # each step's expected time under the forecast's uncertainty
+            var = self._link_variance(a, host, fixed_link, ~obs.in_hbm & obs.valid)
+            unit = self.block_bytes / self.profile.link_bandwidth
+            spread = self.spread * unit * jnp.sqrt(var).T * active[None]  # [layers, W] seconds
         problem = anneal.AnnealProblem(
             **host,
             forecast=jnp.swapaxes(a, 0, 1),
@@ -592,6 +626,7 @@ class Anneal:
             demote_cost=float(self.demote_cost + self.hysteresis),
             value=self._tail_value(obs, h),
             fixed_link=fixed_link,
+            spread=spread,
         )
         key, sub = jax.random.split(jax.random.wrap_key_data(state.key))
         x, _, _ = anneal.run(problem, sub, self.config)

@@ -67,6 +67,9 @@ from jaxkv.trace import read_mask
 
 PAPER_SA_GRID = ((2, 10, 50), (0.5, 1.0))  # lookahead W values, fraction R values
 NEVER = 1 << 30
+# the `+now` policies' spread (`jaxkv.policies.Anneal.spread`): 1.0, 1.5, 2.0 measured at 512
+# steps; 1.5 is best or within 0.3% of it in every cell (bench/RESULTS.md)
+NOW_SPREAD = 1.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,8 +330,9 @@ def make_policy(
             ),
             **(dict(forecast="visits") if "visits" in mods else {}),
             # +now: the plan knows each step's reads, so a host block is promoted at its first
-            # read, the pricing of ride = 1 (the simulator's `ride`, when given, overrides it)
-            **(dict(now=True, ride=1.0) if "now" in mods else {}),
+            # read, the pricing of ride = 1 (the simulator's `ride`, when given, overrides it),
+            # and prices the later steps at their expected time under the forecast's spread
+            **(dict(now=True, ride=1.0, spread=NOW_SPREAD) if "now" in mods else {}),
             compensate="ec" in mods,
             prompt_len=setup.prompt_len,
             block_size=setup.block_size,
@@ -424,6 +428,7 @@ def simulate(
     interval: int = 1,
     discount: float = 0.8,
     now_window: int = 3,
+    now_spread: float = NOW_SPREAD,
     oracle_window: int = 3,
     oracle_discount: float = 0.4,
     oracle_tail: int = 30,
@@ -454,6 +459,9 @@ def simulate(
         (receding horizon) and per-step discount.
       now_window: W of the `+now` policies (they know the step they plan for and price later
         steps as re-plans: 3 steps beat 10 by 0-1.5% at 512 steps, bench/RESULTS.md).
+      now_spread: the `+now` policies' `jaxkv.policies.Anneal.spread` (the later steps priced
+        at their expected time under the forecast's uncertainty; 0 = the max of the expected
+        loads).
       oracle_window, oracle_discount: W and discount of anneal-oracle (with the true future a
         short lookahead wins: a plan is one placement for its whole lookahead, so its later
         steps charge the link with every block first read there, which the re-plan at that
@@ -512,6 +520,7 @@ def simulate(
             seed=seed,
             **(dict(tail=oracle_tail) if oracle and oracle_tail else {}),
             **(dict(ride=ride) if ride else {}),
+            **(dict(spread=now_spread) if "+now" in n else {}),
         )
     n_steps = min(steps or trace.steps, trace.steps)
     horizon = max([getattr(p, "horizon", 1) for p in pols.values()] + [1])

@@ -7,7 +7,7 @@ import json
 from jaxkv import cost
 from jaxkv import trace as tr
 from jaxkv.config import AnnealConfig, HardwareProfile
-from jaxkv.simulate import simulate
+from jaxkv.simulate import NOW_SPREAD, simulate
 
 
 def format_table(result: dict) -> str:
@@ -75,6 +75,13 @@ def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> 
         default=3,
         help="anneal+now: lookahead W (it knows the step it plans for, so plans over few steps)",
     )
+    p.add_argument(
+        "--now-spread",
+        type=float,
+        default=NOW_SPREAD,
+        help="anneal+now: later steps priced at their expected time with this multiple of the "
+        "forecast's deviation (jaxkv.policies.Anneal.spread); 0 = the max of expected loads",
+    )
     p.add_argument("--oracle-window", type=int, default=3, help="anneal-oracle lookahead W")
     p.add_argument(
         "--oracle-discount",
@@ -121,6 +128,7 @@ def simulation_kwargs(args) -> dict:
         interval=args.interval,
         discount=args.discount,
         now_window=args.now_window,
+        now_spread=args.now_spread,
         oracle_window=args.oracle_window,
         oracle_discount=args.oracle_discount,
         oracle_tail=args.oracle_tail,

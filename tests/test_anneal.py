@@ -17,7 +17,8 @@ B = 16384.0
 def problem(seed, n=12, w=8, cap=4, layers=1, invalid=0):
     """Random instance: 0/1 forecasts, random x0, budget, demotion cost and piggybacks; even
     seeds add a terminal value on about half the blocks (odd seeds: none); seeds = 3 mod 4 price
-    host blocks with their own HBM and link loads (host_hbm, host_link)."""
+    host blocks with their own HBM and link loads (host_hbm, host_link); seeds = 2 mod 3 give
+    each step a spread (expected step times under uncertain loads)."""
     r = np.random.default_rng(seed)
     a = (r.random((layers, w, n)) < r.random((layers, 1, n))).astype(np.float32)
     valid = np.ones((layers, n), bool)
@@ -52,6 +53,9 @@ def problem(seed, n=12, w=8, cap=4, layers=1, invalid=0):
             (r.random((layers, n)) < 0.5) * r.uniform(0, 2, (layers, n)) * B / PROF.link_bandwidth,
             jnp.float32,
         ),
+        spread=jnp.asarray(r.uniform(0, 3, (layers, w)) * B / PROF.link_bandwidth, jnp.float32)
+        if seed % 3 == 2
+        else None,
     )
 
 
@@ -340,3 +344,67 @@ def test_greedy_init_takes_a_partial_trade_no_prefix_can():
     scores = (jnp.asarray(a.sum(1)), jnp.asarray(x0, jnp.float32), jnp.asarray(a[:, 0]))
     prefixes = [float(anneal._best_prefix(pr, s)[1][0]) for s in scores]
     assert e_g < min(prefixes) * (1 - 1e-3)
+
+
+def test_spread_prices_the_expected_step_time():
+    """With a spread s, a step costs E[max(T_hbm, T_link + s Z)], Z standard normal: checked
+    against Monte Carlo; s = 0 is the max of the loads; the expectation never falls below it."""
+    r = np.random.default_rng(0)
+    th_bytes = r.uniform(0, 3e6, 64).astype(np.float32)
+    tl_bytes = r.uniform(0, 3e5, 64).astype(np.float32)
+    s = r.uniform(0, 3e-4, 64).astype(np.float32)
+    s[:8] = 0.0
+    one = jnp.ones((1,), jnp.float32)
+    e = jax.vmap(
+        lambda h, link, sp: anneal._energy_of_loads(
+            h[None], link[None], 0.0 * one, one, PROF, sp[None]
+        )
+    )(th_bytes, tl_bytes, s)
+    th, tl = th_bytes / PROF.hbm_bandwidth, tl_bytes / PROF.link_bandwidth
+    z = r.standard_normal((200_000, 1))
+    mc = np.mean(np.maximum(th, tl + s * z), axis=0)
+    np.testing.assert_allclose(e, mc, rtol=3e-3)
+    np.testing.assert_allclose(e[:8], np.maximum(th, tl)[:8], rtol=1e-6)
+    assert (np.asarray(e) >= np.maximum(th, tl) * (1 - 1e-6)).all()
+
+
+@pytest.mark.parametrize("sd_blocks", [0.0, 4.0, 12.0])
+def test_spread_keeps_the_link_below_the_balance_point(sd_blocks):
+    """300 identical host blocks, each read with probability 0.5, free promotions, room for
+    all: the expected step time is lowest where moving one more block to HBM stops paying,
+    Phi(d / s) = u_hbm / (u_hbm + u_link) with d = T_link - T_hbm: at the balance point (d = 0)
+    without a spread, about 1.38 s below it with one. The annealer finds that plan."""
+    n, b = 300, B
+    a = jnp.full((1, 1, n), 0.5, jnp.float32)
+    u_l = b / PROF.link_bandwidth
+    sp = None if not sd_blocks else jnp.full((1, 1), sd_blocks * u_l, jnp.float32)
+    pr = anneal.AnnealProblem(
+        forecast=a,
+        x0=jnp.zeros((1, n), bool),
+        valid=jnp.ones((1, n), bool),
+        fixed=jnp.full((1,), 50 * b, jnp.float32),
+        weight=jnp.ones((1,), jnp.float32),
+        promote_hbm=jnp.zeros((1, n), jnp.float32),
+        promote_link=jnp.zeros((1, n), jnp.float32),
+        profile=PROF,
+        block_bytes=b,
+        capacity=n,
+        spread=sp,
+    )
+    ks = np.arange(n + 1)
+    xs = jnp.asarray(np.arange(n)[None, :] < ks[:, None])[None]  # [1, n + 1, n]: k in HBM
+    e_k = np.asarray(anneal.energy(pr, xs))[0]
+    k_best = int(np.argmin(e_k))
+    x, e, _ = anneal.run(pr, jax.random.key(0))
+    assert float(e[0]) <= e_k[k_best] * (1 + 1e-6)
+    k = int(np.asarray(x).sum())
+    th = (50 * b + 0.5 * b * k) / PROF.hbm_bandwidth
+    tl = 0.5 * b * (n - k) / PROF.link_bandwidth
+    u_h = b / PROF.hbm_bandwidth
+    step = 0.5 * (u_l + u_h)  # d moves by this much per block
+    if not sd_blocks:
+        assert abs(tl - th) <= step
+    else:
+        z = jax.scipy.special.ndtri(u_h / (u_h + u_l))
+        assert abs((tl - th) - float(z) * sd_blocks * u_l) <= step
+        assert tl < th  # the link kept below the HBM time, by more than one block

@@ -59,6 +59,10 @@ ALL = {
     "anneal+reuse+now+runs": P.Anneal(
         forecast="reuse", unforeseen=True, now=True, window=H, config=FAST
     ),
+    "anneal+reuse+now+spread+runs": P.Anneal(
+        forecast="reuse", unforeseen=True, now=True, ride=1.0, spread=1.5, window=H, config=FAST
+    ),
+    "anneal+spread": P.Anneal(spread=1.0, window=H, config=FAST),
     "anneal-learned": P.Anneal(
         forecast="learned", learned=(1.0, 0, 0, 0, 0, 0, -1.0), window=H, config=FAST
     ),
@@ -193,6 +197,48 @@ def test_now_promotes_a_visit_that_starts_at_this_step():
     assert np.asarray(t)[:, 10:13].all()  # the promotion rides on this step's read
     _, t = P.Anneal(**kw).plan(P.Anneal().init(L, N), obs)
     assert not np.asarray(t)[:, 10:13].any()  # unseen blocks: nothing to go on
+
+
+def test_spread_variance_by_hand():
+    """The link reads' variance per step: Bernoulli over the blocks left on host (their
+    host-side link loads: with ride 1, first-read probabilities after step 0) plus the
+    unforeseen reads as a Poisson count; blocks in HBM add nothing."""
+    pol = P.Anneal(window=3, ride=1.0, block_bytes=4.0)
+    a = jnp.asarray([[[0.5, 0.2, 1.0, 0.5]], [[0.5, 0.5, 0.0, 0.5]], [[1.0, 0.5, 0.0, 0.5]]])
+    off = jnp.asarray([[True, True, True, False]])  # block 3 in HBM
+    fixed = jnp.asarray([[0.0, 8.0, 2.0]])  # bytes: 2 and 0.5 unforeseen reads at steps 1, 2
+    var = np.asarray(pol._link_variance(a, pol._host_loads(a), fixed, off))[:, 0]
+    # link loads on host: step 0 the reads (0.5, 0.2, 1.0); step 1 first reads (0.5, 0.5, 0);
+    # step 2 first reads 1.0 x (1 - 0.5) = 0.5, 0.5 x (1 - 0.5) = 0.25, 0
+    want = [0.25 + 0.16 + 0.0, 0.25 + 0.25 + 2.0, 0.25 + 0.1875 + 0.5]
+    np.testing.assert_allclose(var, want, rtol=1e-6)
+    plain = np.asarray(P.Anneal(window=3)._link_variance(a, {}, None, off))[:, 0]
+    np.testing.assert_allclose(plain, [0.41, 0.5, 0.25], rtol=1e-6)  # the plan held: a(1 - a)
+
+
+def test_spread_validation_and_wiring(monkeypatch):
+    with pytest.raises(ValueError, match="spread must be finite and >= 0, got -1.0"):
+        P.Anneal(spread=-1.0)
+    seen = []
+    real_run = P.anneal.run
+
+    def run(problem, key, config):
+        seen.append(problem)
+        return real_run(problem, key, config)
+
+    monkeypatch.setattr(P.anneal, "run", run)
+    obs = observation()
+    kw = dict(window=H, config=FAST, forecast="reuse", unforeseen=True, ride=1.0)
+    P.Anneal(**kw).plan(P.Anneal().init(L, N), obs)
+    pol = P.Anneal(spread=1.5, **kw)
+    pol.plan(pol.init(L, N), obs)
+    assert seen[0].spread is None
+    pr = seen[1]
+    a = jnp.swapaxes(pr.forecast, 0, 1)  # [W, L, N]
+    var = pol._link_variance(a, pol._host_loads(a), pr.fixed_link, ~obs.in_hbm & obs.valid)
+    unit = pol.block_bytes / pol.profile.link_bandwidth
+    np.testing.assert_allclose(pr.spread, 1.5 * unit * np.sqrt(np.asarray(var)).T, rtol=1e-5)
+    assert (np.asarray(pr.spread) > 0).all()
 
 
 def test_compensation_triggers_on_a_bad_forecast():

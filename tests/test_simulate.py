@@ -256,6 +256,8 @@ def test_now_promotes_a_visit_at_its_first_read():
     assert out["anneal+now"]["latency_s"] < out["anneal"]["latency_s"]
     pol = sim.make_policy("anneal+reuse+now", sim.Setup(8, 1, 1, 13, 2, 4, 10.0, PROF), window=3)
     assert pol.now and pol.ride == 1.0 and pol.forecast == "reuse" and pol.horizon == 1
+    assert pol.spread == sim.NOW_SPREAD > 0
+    assert sim.make_policy("anneal+reuse", sim.Setup(8, 1, 1, 13, 2, 4, 10.0, PROF)).spread == 0
 
 
 def test_modifier_on_wrong_policy():
