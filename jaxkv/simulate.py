@@ -26,9 +26,9 @@ also takes `+reuse` (the re-read law learned online as its forecast, `importance
 with the reads it cannot place charged to the link: `Anneal.unforeseen`) and `+now` (the plan
 sees the read set of the step it plans for, Page's one-step lookahead: `Anneal.now`, priced with
 `ride` 1 and its later steps at their expected time, `Anneal.spread` = `now_spread`), and
-`anneal-oracle` takes `+visits` (a diagnostic: the oracle told only how long each visit in progress lasts, not
-when one starts, `importance.visits_forecast`: how much of the online planners' gap no forecast
-of visit lengths can close).
+`anneal-oracle` takes `+visits` (a diagnostic: the oracle told only how long each visit in
+progress lasts, not when one starts, `importance.visits_forecast`: how much of the online
+planners' gap no forecast of visit lengths can close).
 `paper-sa` runs every (lookahead, fraction) pair of `PAPER_SA_GRID` and reports the best (the
 oracle tuning of its two knobs). `unlimited` is the bound of `jaxkv.cost.unlimited_step_time`.
 
