@@ -84,9 +84,8 @@ class AnnealProblem:
     host_hbm: jax.Array | None = None
     host_link: jax.Array | None = None
     # [layers, W] float32 seconds, or None (zeros): the deviation of each step's link time minus
-    # its HBM time around the loads' values (forecast uncertainty: reads the forecast cannot
-    # place); a step then costs its expected time, not the max of its expected loads (see
-    # `_energy_of_loads`)
+    # its HBM time around the loads' values (the loads are forecasts); a step then costs its
+    # expected time, not the max of its expected loads (see `_energy_of_loads`)
     spread: jax.Array | None = None
 
 
