@@ -116,7 +116,8 @@ def main(argv=None) -> int:
         f"{args.geometry}, profile {args.profile}, anneal W={args.window} interval="
         f"{args.interval} discount={args.discount} ride={args.ride} (+now W="
         f"{args.now_window}, ride 1, spread {args.now_spread}; oracle W="
-        f"{args.oracle_window} discount={args.oracle_discount} tail={args.oracle_tail}) "
+        f"{args.oracle_window} discount={args.oracle_discount} tail={args.oracle_tail}, +dual "
+        f"W={args.dual_window}) "
         f"chains={args.chains}"
     )
     print("# cell: latency s (latency / Unlimited, HBM hit rate)")

@@ -86,6 +86,12 @@ steps in one LP, 12 / 30 / 110 / 890 s, the last with 1M y, 1M p and 7M nonzeros
 steps, 1 min for the whole horizon at the default iterations, and lands 0.03-0.1% below the LP
 optimum (s = 0.5, 512 steps: 1.2329 x Unlimited against the LP's 1.2339; s = 0.6, 128 steps:
 0.0003% below).
+
+Values for a planner (`dual_values`, `trace_dual_values`): at the dual's prices each block's
+chain is solved exactly, so running its dynamic programme backwards gives, per block and step,
+what ending the step on host rather than in HBM costs over the steps after it (`value_to_go`):
+later reads weighed by how far the LP finds their steps HBM- or link-bound, slot time charged
+the capacity price. `anneal-oracle+dual` takes it as the terminal value of its short window.
 """
 
 from __future__ import annotations
@@ -109,6 +115,12 @@ from jaxkv.simulate import pool_capacity
 from jaxkv.trace import read_mask
 
 DEFAULT_ITERS = 200  # L-BFGS-B iterations per temperature of `lagrangian_bound`
+# `dual_values`' ascent: prices for values need not be converged as a bound's multipliers do.
+# One stage of 50 iterations at 0.03 valued recency-high 0.8 / recency-low 0.6 (4 layers, 300
+# steps) as well as the bound's five stages of 200 (anneal-oracle+dual 1.046 / 1.024 against
+# 1.047 / 1.024) in a tenth of the time (bench/RESULTS.md)
+DUAL_TEMPERATURES = (0.03,)
+DUAL_ITERS = 50
 
 
 @dataclasses.dataclass
@@ -396,14 +408,11 @@ def _window_blocks(
     )
 
 
-def _dual_value(theta, nu, sigma, blk: dict, xp, softmin):
-    """The partial Lagrangian dual g(theta, nu, sigma) of a window LP (see `lagrangian_bound`).
-
-    Rows (1), (3) and (5) are priced (HBM row theta, link row 1 - theta, capacity nu, sealing
-    sigma); each block's chain (rows (2), (4), its box) is solved exactly by dynamic programming
-    over y in {0, 1} (`softmin` = min) or smoothed (`softmin` = a soft minimum). `xp`: numpy or
-    jax.numpy.
-    """
+def _chain_costs(theta, nu, sigma, blk: dict, xp):
+    """Each block chain's priced costs under multipliers (theta, nu, sigma), [T, K] each: a (the
+    step in HBM rather than on host; _BIG where the block must be out), c (a promotion at the
+    step, >= 0), e (a demotion at the step), and c_all, chain (the raw promotion price and where
+    the chain has a promotion row)."""
     th = theta[:, None]
     R, rho, dc = blk["R"], blk["rho"], blk["demote_cost"]
     sig_next = xp.concatenate([sigma[1:], xp.zeros(1, sigma.dtype)])[:, None]
@@ -415,8 +424,21 @@ def _dual_value(theta, nu, sigma, blk: dict, xp, softmin):
     # c >= 0, else c (p = 1) whatever y does (only with promote_write < 1)
     chain = blk["pres"] & ~blk["free_in"]
     c = xp.where(chain, xp.maximum(c_all, 0.0), 0.0)
-    c_neg = xp.sum(xp.where(chain, xp.minimum(c_all, 0.0), 0.0))
     e = xp.where(blk["after"], 0.0, (th + (1.0 - th) * rho) * dc + 0.0 * R)
+    return a, c, e, c_all, chain
+
+
+def _dual_value(theta, nu, sigma, blk: dict, xp, softmin):
+    """The partial Lagrangian dual g(theta, nu, sigma) of a window LP (see `lagrangian_bound`).
+
+    Rows (1), (3) and (5) are priced (HBM row theta, link row 1 - theta, capacity nu, sealing
+    sigma); each block's chain (rows (2), (4), its box) is solved exactly by dynamic programming
+    over y in {0, 1} (`softmin` = min) or smoothed (`softmin` = a soft minimum). `xp`: numpy or
+    jax.numpy.
+    """
+    R, rho = blk["R"], blk["rho"]
+    a, c, e, c_all, chain = _chain_costs(theta, nu, sigma, blk, xp)
+    c_neg = xp.sum(xp.where(chain, xp.minimum(c_all, 0.0), 0.0))
     # the sealed block's promotion share at its sealing step: only in rows (3) and (5)
     c_new = xp.sum(xp.where(blk["is_new"], c_all, 0.0), axis=1)
     p_new = xp.sum(xp.where(blk["seal"], softmin(xp.zeros_like(c_new), c_new - sigma), 0.0))
@@ -505,7 +527,8 @@ def lagrangian_bound(
       iters: L-BFGS-B iterations per stage.
     Returns:
       {"bound": the best exact g (units of block bytes / B_hbm), "stages": the exact g after each
-       stage, "evals": smoothed evaluations, "wall_s"}.
+       stage, "evals": smoothed evaluations, "multipliers": theta | nu | sigma [3T] at the best
+       g (`dual_values` prices the blocks' futures with them), "wall_s"}.
     """
     w0 = time.perf_counter()
     blk = _window_blocks(
@@ -520,12 +543,23 @@ def lagrangian_bound(
         demote_cost=demote_cost,
         promote_write=promote_write,
     )
+    best, z, stages, evals = _ascend(blk, temperatures, iters)
+    return dict(
+        bound=best, stages=stages, evals=evals, multipliers=z, wall_s=time.perf_counter() - w0
+    )
+
+
+def _ascend(blk: dict, temperatures, iters: int):
+    """Maximizes the window's partial dual (`_dual_value`) by L-BFGS-B on its smoothed version,
+    one stage per temperature; returns (best exact g, its multipliers theta|nu|sigma [3T],
+    the exact g after each stage, smoothed evaluations)."""
     T = blk["R"].shape[0]
     exact = functools.partial(_dual_value, blk=blk, xp=np, softmin=np.minimum)
-    z = np.concatenate([np.full(T, rho / (rho + 1.0)), np.zeros(T), np.zeros(T)])
+    z = np.concatenate([np.full(T, blk["rho"] / (blk["rho"] + 1.0)), np.zeros(T), np.zeros(T)])
     lo = np.zeros(3 * T)
     hi = np.concatenate([np.ones(T), np.full(T, np.inf), np.where(blk["seal"], np.inf, 0.0)])
     best = exact(z[:T], z[T : 2 * T], z[2 * T :])
+    best_z = z
     stages, evals = [], 0
     with jax.enable_x64(True):  # float64: the line searches need a smooth, exact gradient
         jblk = {k: v for k, v in blk.items() if k in _SMOOTH_KEYS}
@@ -551,8 +585,83 @@ def lagrangian_bound(
             z = np.clip(res.x, lo, hi)
             val = exact(z[:T], z[T : 2 * T], z[2 * T :])
             stages.append(val)
-            best = max(best, val)
-    return dict(bound=float(best), stages=stages, evals=evals, wall_s=time.perf_counter() - w0)
+            if val > best:
+                best, best_z = val, z
+    return float(best), best_z, stages, evals
+
+
+def value_to_go(blk: dict, multipliers) -> np.ndarray:
+    """[T, K] per block of a window (`_window_blocks`) and step t: G0_t - G1_t, clipped at 0,
+    where G_y is the least priced cost of the block's chain over steps t + 1 .. T - 1 given
+    y_t = y (the dynamic programme of `_dual_value`, run backwards under the multipliers
+    theta | nu | sigma). In units of block bytes / B_hbm: what leaving the block on host after
+    step t costs the rest of the window over keeping it in HBM, with each later step's HBM and
+    link time weighed by theta_t, 1 - theta_t (how far the LP finds that step HBM- or
+    link-bound) and each held slot charged the capacity price nu_t. 0 after its last read."""
+    z = np.asarray(multipliers, np.float64)
+    T = blk["R"].shape[0]
+    a, c, e, _, _ = _chain_costs(z[:T], z[T : 2 * T], z[2 * T :], blk, np)
+    g0 = np.zeros(a.shape[1])
+    g1 = np.zeros(a.shape[1])
+    out = np.zeros(a.shape)
+    for t in range(T - 1, -1, -1):
+        out[t] = g0 - g1
+        # from y_{t-1} = 0: stay out (0) or promote at t; from y_{t-1} = 1: demote or keep
+        g0, g1 = np.minimum(g0, a[t] + c[t] + g1), np.minimum(e[t] + g0, a[t] + g1)
+    return np.clip(out, 0.0, None)
+
+
+def dual_values(
+    reads,
+    fixed,
+    capacity: int,
+    rho: float,
+    *,
+    valid_from=None,
+    init=None,
+    window: int = 256,
+    overlap: int = 64,
+    keep_fetched: bool = False,
+    demote_cost: float = 0.0,
+    temperatures=DUAL_TEMPERATURES,
+    iters: int = DUAL_ITERS,
+) -> np.ndarray:
+    """[T, N] float64: every block's `value_to_go` after every step of one layer, in units of
+    block bytes / B_hbm, under the multipliers of the LP's Lagrangian dual (`lagrangian_bound`).
+
+    The dual is ascended over windows of `window` steps (the first from `init`, the later ones
+    from a free placement, as `layer_bound`'s sub-horizons), each extended by `overlap` steps
+    whose values are dropped, so a value near a window's end still sees `overlap` steps of the
+    block's future. temperatures, iters: the dual's ascent (`lagrangian_bound`); the other
+    arguments as in `layer_bound`.
+    """
+    R = np.asarray(reads, bool)
+    T, N = R.shape
+    if window < 1 or overlap < 0:
+        raise ValueError(f"window must be >= 1 and overlap >= 0, got {window}, {overlap}")
+    fixed = np.asarray(fixed, np.float64)
+    vf = np.zeros(N, np.int64) if valid_from is None else np.asarray(valid_from, np.int64)
+    out = np.zeros((T, N))
+    for t0 in range(0, T, window):
+        t1 = min(T, t0 + window)
+        t2 = min(T, t1 + overlap)
+        blk = _window_blocks(
+            R[t0:t2],
+            fixed[t0:t2],
+            capacity,
+            rho,
+            valid_from=np.maximum(vf - t0, 0),
+            init=init if t0 == 0 else None,
+            prev_read=R[t0 - 1] if t0 > 0 else None,
+            keep_fetched=keep_fetched,
+            demote_cost=demote_cost,
+        )
+        if blk["R"].shape[1] == 0:
+            continue
+        _, z, _, _ = _ascend(blk, temperatures, iters)
+        act = np.flatnonzero(R[t0:t2].any(0))
+        out[t0:t1, act] = value_to_go(blk, z)[: t1 - t0]
+    return out
 
 
 SOLVERS = ("lagrangian", "highs")
@@ -662,6 +771,88 @@ def trace_reads(trace, sparsity: float, steps: int, layers: Sequence[int], chunk
     return np.concatenate(out, 0)
 
 
+def _trace_inputs(trace, sparsity, geometry, profile, capacity_blocks, hbm_budget, steps, idx):
+    """The per-layer LP's data for a trace, as `jaxkv.simulate` charges it: reads [T, layers,
+    N], fixed [T] and the tail block's bytes [T], valid_from, init, rho = B_hbm / B_link, and
+    scale (seconds per block unit)."""
+    geometry, capacity_blocks = pool_capacity(trace, geometry, hbm_budget, capacity_blocks)
+    P, bs, N = trace.prompt_len, trace.block_size, trace.num_blocks
+    C = int(min(capacity_blocks, N))
+    T = min(steps or trace.steps, trace.steps)
+    reads = trace_reads(trace, sparsity, T, idx)
+    b = float(geometry.token_bytes * bs)
+    t = np.arange(T)
+    tail = geometry.token_bytes * ((P + t) % bs + 1)
+    fixed = (float(geometry.weight_bytes) + geometry.token_bytes + tail) / b
+    new = bnd.new_blocks(P, bs, T, N)
+    valid_from = np.where(np.arange(N) < P // bs, 0, T)
+    valid_from[new[new >= 0]] = np.flatnonzero(new >= 0)
+    return dict(
+        reads=reads,
+        fixed=fixed,
+        tail=tail,
+        capacity=C,
+        T=T,
+        valid_from=valid_from,
+        init=bnd.initial_hbm(P, bs, N, C),
+        rho=profile.hbm_bandwidth / profile.link_bandwidth,
+        scale=b / profile.hbm_bandwidth,
+        geometry=geometry,
+        block_bytes=b,
+    )
+
+
+def trace_dual_values(
+    trace,
+    sparsity: float,
+    *,
+    geometry: cost.Geometry,
+    profile: HardwareProfile,
+    capacity_blocks: int | None = None,
+    hbm_budget: float = cost.PAPER_HBM_BUDGET,
+    steps: int | None = None,
+    window: int = 256,
+    overlap: int = 64,
+    demote_cost: float = 0.0,
+    keep_fetched: bool = False,
+    temperatures=DUAL_TEMPERATURES,
+    iters: int = DUAL_ITERS,
+    progress: bool = False,
+) -> np.ndarray:
+    """[T, layers, N] float32 seconds: `dual_values` of every layer of a trace, with perfect
+    knowledge of its reads (what `anneal-oracle+dual` in `jaxkv.simulate` takes as the value of
+    a block at the end of its window). Arguments as in `lp_bound_seconds`; window, overlap as in
+    `dual_values`."""
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity must lie in [0, 1), got {sparsity!r}")
+    idx = list(range(trace.num_layers))
+    inp = _trace_inputs(trace, sparsity, geometry, profile, capacity_blocks, hbm_budget, steps, idx)
+    reads = inp["reads"]
+    out = np.zeros(reads.shape, np.float32)
+    bar = range(len(idx))
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(bar, desc=f"dual values s={sparsity:g}", unit="layer")
+    for j in bar:
+        v = dual_values(
+            reads[:, j],
+            inp["fixed"],
+            inp["capacity"],
+            inp["rho"],
+            valid_from=inp["valid_from"],
+            init=inp["init"],
+            window=window,
+            overlap=overlap,
+            keep_fetched=keep_fetched,
+            demote_cost=demote_cost,
+            temperatures=temperatures,
+            iters=iters,
+        )
+        out[:, j] = v * inp["scale"]
+    return out
+
+
 def lp_bound_seconds(
     trace,
     sparsity: float,
@@ -733,22 +924,11 @@ def lp_bound_seconds(
         bad = [i for i in idx if not 0 <= i < n_layers]
         if not idx or bad:
             raise ValueError(f"layers must be indices in [0, {n_layers - 1}], got {list(layers)!r}")
-    geometry, capacity_blocks = pool_capacity(trace, geometry, hbm_budget, capacity_blocks)
     w0 = time.perf_counter()
-    P, bs, N = trace.prompt_len, trace.block_size, trace.num_blocks
-    C = int(min(capacity_blocks, N))
-    T = min(steps or trace.steps, trace.steps)
-    reads = trace_reads(trace, sparsity, T, idx)
-    b = float(geometry.token_bytes * bs)
-    t = np.arange(T)
-    tail = geometry.token_bytes * ((P + t) % bs + 1)
-    fixed = (float(geometry.weight_bytes) + geometry.token_bytes + tail) / b
-    new = bnd.new_blocks(P, bs, T, N)
-    valid_from = np.where(np.arange(N) < P // bs, 0, T)
-    valid_from[new[new >= 0]] = np.flatnonzero(new >= 0)
-    init = bnd.initial_hbm(P, bs, N, C)
-    rho = profile.hbm_bandwidth / profile.link_bandwidth
-    scale = b / profile.hbm_bandwidth
+    inp = _trace_inputs(trace, sparsity, geometry, profile, capacity_blocks, hbm_budget, steps, idx)
+    reads, fixed, tail, C, T = inp["reads"], inp["fixed"], inp["tail"], inp["capacity"], inp["T"]
+    valid_from, init, rho, scale = inp["valid_from"], inp["init"], inp["rho"], inp["scale"]
+    geometry, b = inp["geometry"], inp["block_bytes"]
     # the simulator's Unlimited bound (`cost.unlimited_step_time`: the tail block splits too)
     unl = np.asarray(
         cost.unlimited_step_time(
@@ -808,9 +988,12 @@ __all__ = [
     "SOLVERS",
     "build_window_lp",
     "dual_bound",
+    "dual_values",
     "lagrangian_bound",
     "layer_bound",
     "lp_bound_seconds",
     "solve_lp",
+    "trace_dual_values",
     "trace_reads",
+    "value_to_go",
 ]

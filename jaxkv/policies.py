@@ -43,6 +43,9 @@ class Observation:
     since_seen: jax.Array | None = None
     since_read: jax.Array | None = None
     streak: jax.Array | None = None  # [layers, N] int32: run lengths (`importance.Stats.streak`)
+    # [W, layers, N] float32 seconds: what leaving each block on host after each of the next
+    # steps costs later, priced by the LP's dual (`jaxkv.lp_bound.dual_values`), if known
+    value_to_go: jax.Array | None = None
     capacity: int = static_field(default=0)  # HBM pool slots per layer
 
 
@@ -317,6 +320,19 @@ class Anneal:
       1.052 / 1.072 / 1.042 / 1.034 to 1.039 / 1.058 / 1.027 / 1.020 x Unlimited on patterns
       0.5, recency-low 0.6, patterns 0.6 and 0.8, and leaves the cells no placement balances
       (s = 0.4, recency-high) as they were (bench/RESULTS.md). 0 = off.
+    dual: with the oracle forecast, the terminal value of every block is obs.value_to_go at the
+      window's last step (`jaxkv.lp_bound.dual_values`: the block's cost after the window on host
+      over in HBM, from the LP relaxation of the whole run priced by its Lagrangian dual) in
+      place of `tail` / `overflow_value`. The window's energy sets the balance of the steps the
+      plan sees; the dual's prices say which blocks are worth their slot after it: how often a
+      block is read later, at steps the LP finds link-bound (a read there is worth the link
+      time it saves) or HBM-bound (worth little), less the slot's price while it waits. The
+      Belady value sees the next read only, and the whole-visit value weighs every later read
+      alike; on recency-high 0.8 the LP keeps 321 of a step's 393 reads in HBM where the Belady
+      oracle kept 302 (bench/RESULTS.md). With `tail` and `overflow_value`, a layer the gate
+      finds overflowing or link-bound still takes the whole-visit value (there the dual's
+      values, from a relaxation that can split a block, did worse: recency-high 0.6, 512
+      steps, 1.948 against 1.798 x Unlimited).
     The energy model (profile, block bytes, weights, demotion cost) should match the cost model
     the policy is judged by; the simulator passes its own.
     """
@@ -352,6 +368,7 @@ class Anneal:
     learned: tuple | None = None  # (w_0 .. w_5, b) of importance.learned_forecast
     now: bool = False
     spread: float = 0.0
+    dual: bool = False
     prompt_len: int = 0
     block_size: int = 16
     seed: int = 0
@@ -386,6 +403,11 @@ class Anneal:
             )
         if not 0.0 <= self.spread < float("inf"):
             raise ValueError(f"Anneal spread must be finite and >= 0, got {self.spread!r}")
+        if self.dual and (self.forecast != "oracle" or self.adaptive):
+            raise ValueError(
+                "Anneal dual=True values blocks from the LP dual of the true future: it needs "
+                f"forecast='oracle' and adaptive=False; got {self.forecast!r}, {self.adaptive!r}"
+            )
         if self.forecast == "learned" and self.learned is None:
             raise ValueError("Anneal forecast='learned' needs learned=(w_0, ..., w_5, b), got None")
 
@@ -405,6 +427,11 @@ class Anneal:
         return dataclasses.replace(self.profile, link_bandwidth=bw)
 
     @property
+    def needs_values(self) -> bool:
+        """obs.value_to_go is needed (`dual`)."""
+        return self.dual
+
+    @property
     def horizon(self) -> int:
         """Steps the plan needs obs.forecast for: the (largest) window, then the tail (oracles);
         the current step (`now`)."""
@@ -416,12 +443,21 @@ class Anneal:
 
     def _tail_value(self, obs: Observation, h: int):
         """[layers, N] seconds: the terminal value of each block from its reads after the
-        window's first `h` steps, or None: Belady's (the next read; resident blocks only: see
-        `tail`), or, in a layer whose pool the first step overflows or whose first step is
-        link-bound, every read (resident blocks and the first step's reads: see
-        `overflow_value`)."""
+        window's first `h` steps, or None: the LP dual's value-to-go (`dual`), Belady's (the
+        next read; resident blocks only: see `tail`), or, in a layer whose pool the first step
+        overflows or whose first step is link-bound, every read (resident blocks and the first
+        step's reads: see `overflow_value`)."""
+        dual = None
+        if self.dual:
+            if obs.value_to_go is None or obs.value_to_go.shape[0] < h:
+                got = None if obs.value_to_go is None else tuple(obs.value_to_go.shape)
+                raise ValueError(
+                    f"policy {self.name!r} (dual=True) needs obs.value_to_go of shape "
+                    f"[>= {h}, layers, N] (`jaxkv.lp_bound.dual_values`); got {got}"
+                )
+            dual = jnp.where(obs.valid, obs.value_to_go[h - 1], 0.0)
         if not self.tail:
-            return None
+            return dual
         f = obs.forecast[h : h + self.tail] > 0  # [tail, layers, N]
         if f.shape[0] == 0:
             return None
@@ -433,6 +469,8 @@ class Anneal:
         full = jnp.sum(obs.valid, axis=-1, keepdims=True) > obs.capacity  # [layers, 1]
         resident = obs.valid & obs.in_hbm & full
         belady = jnp.where(resident, self.tail_value * unit * self.tail_decay**first, 0.0)
+        if dual is not None:
+            belady = dual
         if not self.overflow_value:
             return belady
         now = obs.valid & (obs.forecast[0] > 0)

@@ -28,7 +28,9 @@ sees the read set of the step it plans for, Page's one-step lookahead: `Anneal.n
 `ride` 1 and its later steps at their expected time, `Anneal.spread` = `now_spread`), and
 `anneal-oracle` takes `+visits` (a diagnostic: the oracle told only how long each visit in
 progress lasts, not when one starts, `importance.visits_forecast`: how much of the online
-planners' gap no forecast of visit lengths can close).
+planners' gap no forecast of visit lengths can close) and `+dual` (the value of a block after
+the oracle's window from the LP relaxation's dual prices over the whole run,
+`jaxkv.lp_bound.dual_values`, in place of Belady's next read; solved once before the run).
 `paper-sa` runs every (lookahead, fraction) pair of `PAPER_SA_GRID` and reports the best (the
 oracle tuning of its two knobs). `unlimited` is the bound of `jaxkv.cost.unlimited_step_time`.
 
@@ -70,6 +72,9 @@ NEVER = 1 << 30
 # the `+now` policies' spread (`jaxkv.policies.Anneal.spread`): 1.0, 1.5, 2.0 measured at 512
 # steps; 1.5 is best or within 0.3% of it in every cell (bench/RESULTS.md)
 NOW_SPREAD = 1.5
+# W of `anneal-oracle+dual`: 2 beat 3 and 1 on recency-high 0.8, recency-low 0.6 and patterns
+# 0.6 at 300 steps (bench/RESULTS.md)
+DUAL_WINDOW = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +147,7 @@ def init_state(policy, setup: Setup) -> SimState:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0):
+def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0, values=None):
     """Simulates steps t0 .. t0 + chunk - 1 for `state.policy`.
 
     Args:
@@ -152,6 +157,8 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0):
       reads_buf: [chunk + H, layers, N] bool, reads of these steps and the next H >= horizon.
       mass: [chunk + H, layers, N] float32, attention mass of these steps and the next H.
       t0: [] int32.
+      values: [chunk + H, layers, N] float32 seconds, the LP dual's value-to-go of these steps
+        and the next H (`jaxkv.lp_bound.trace_dual_values`), for policies with `needs_values`.
     Returns:
       SimState.
     """
@@ -161,6 +168,9 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0):
     b = s.block_bytes
     horizon = getattr(policy, "horizon", 1)
     needs = getattr(policy, "needs_forecast", False)
+    needs_values = getattr(policy, "needs_values", False)
+    if needs_values and values is None:
+        raise ValueError(f"policy {policy.name!r} needs the dual's values (run_chunk values=)")
     blk = jnp.arange(N)
     z = jnp.float32(0)
     state = dataclasses.replace(
@@ -182,6 +192,9 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0):
                 fc = jax.lax.dynamic_slice(reads_buf, (c, 0, 0), (horizon, L, N))
                 fc = fc.astype(jnp.float32)
                 fm = jax.lax.dynamic_slice(mass, (c, 0, 0), (horizon, L, N))
+            vg = None
+            if needs_values:
+                vg = jax.lax.dynamic_slice(values, (c, 0, 0), (horizon, L, N))
             obs = Observation(
                 in_hbm=in_hbm,
                 valid=valid,
@@ -195,6 +208,7 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0):
                 since_seen=stats.since_seen,
                 since_read=stats.since_read,
                 streak=stats.streak,
+                value_to_go=vg,
                 capacity=s.capacity,
             )
             pstate, target = policy.plan(pstate, obs)
@@ -291,24 +305,29 @@ def make_policy(
         raise ValueError(
             f"unknown policy {name!r}; expected one of {sorted(POLICIES)} "
             "(anneal / anneal-oracle take +aw, +ec; anneal also +reuse, +now; anneal-oracle "
-            "+visits)"
+            "+visits, +dual)"
         )
     if mods and base not in ("anneal", "anneal-oracle"):
         raise ValueError(
             f"policy {name!r}: modifiers +aw/+ec apply to anneal and anneal-oracle "
             f"only, not {base!r}"
         )
-    bad = [m for m in mods if m not in ("aw", "ec", "reuse", "now", "visits")]
+    bad = [m for m in mods if m not in ("aw", "ec", "reuse", "now", "visits", "dual")]
     if bad:
         raise ValueError(
-            f"policy {name!r}: unknown modifier {bad[0]!r}; expected 'aw', 'ec', 'reuse', 'now' "
-            "or 'visits'"
+            f"policy {name!r}: unknown modifier {bad[0]!r}; expected 'aw', 'ec', 'reuse', 'now', "
+            "'visits' or 'dual'"
         )
     for m in ("reuse", "now"):
         if m in mods and base != "anneal":
             raise ValueError(f"policy {name!r}: +{m} refines the online forecast, for anneal only")
     if "visits" in mods and base != "anneal-oracle":
         raise ValueError(f"policy {name!r}: +visits cuts the oracle, for anneal-oracle only")
+    if "dual" in mods and (base != "anneal-oracle" or {"visits", "aw"} & set(mods)):
+        raise ValueError(
+            f"policy {name!r}: +dual values blocks from the LP dual of the true future, for "
+            "anneal-oracle only, without +visits or +aw"
+        )
     if base == "page":
         return get_policy("page", page_blocks=max(1, 16 // setup.block_size))
     if base in ("anneal", "anneal-oracle"):
@@ -329,6 +348,8 @@ def make_policy(
                 dict(forecast="reuse", unforeseen=True, link_reserve=0.0) if "reuse" in mods else {}
             ),
             **(dict(forecast="visits") if "visits" in mods else {}),
+            # +dual: the LP dual's value-to-go as the terminal value, in place of Belady's
+            **(dict(dual=True) if "dual" in mods else {}),
             # +now: the plan knows each step's reads, so a host block is promoted at its first
             # read, the pricing of ride = 1 (the simulator's `ride`, when given, overrides it),
             # and prices the later steps at their expected time under the forecast's spread
@@ -375,6 +396,9 @@ def _time_plan(policy, state: SimState, setup: Setup, reads_buf, t, repeats: int
     )
     st = state.stats
     fc = reads_buf[:h].astype(jnp.float32) if getattr(policy, "needs_forecast", False) else None
+    vg = None
+    if getattr(policy, "needs_values", False):
+        vg = jnp.zeros((h, *state.in_hbm.shape), jnp.float32)
     obs = Observation(
         in_hbm=state.in_hbm,
         valid=valid,
@@ -388,6 +412,7 @@ def _time_plan(policy, state: SimState, setup: Setup, reads_buf, t, repeats: int
         since_seen=st.since_seen,
         since_read=st.since_read,
         streak=st.streak,
+        value_to_go=vg,
         capacity=setup.capacity,
     )
     fn = jax.jit(lambda p, o: policy.plan(p, o))
@@ -432,6 +457,7 @@ def simulate(
     oracle_window: int = 3,
     oracle_discount: float = 0.4,
     oracle_tail: int = 30,
+    dual_window: int = DUAL_WINDOW,
     ride: float = 0.0,
     anneal_config: AnnealConfig | None = None,
     paper_sa_grid=PAPER_SA_GRID,
@@ -471,6 +497,7 @@ def simulate(
         terminal value, so a full pool evicts the blocks needed latest, and, where a step reads
         more blocks than the pool holds, give every block it reads the value of all its reads
         there (`jaxkv.policies.Anneal.tail`, `overflow_value`; 0 = off).
+      dual_window: W of `anneal-oracle+dual` (its discount is oracle_discount).
       ride: the anneal policies' receding-horizon pricing (`jaxkv.policies.Anneal.ride`).
       anneal_config: schedule of the anneal policies.
       paper_sa_grid: (lookaheads, fractions) searched for paper-sa.
@@ -510,11 +537,20 @@ def simulate(
     pols = {}
     for n in names:
         oracle = n.startswith("anneal-oracle")
+        dual = oracle and "+dual" in n
         pols[n] = make_policy(
             n,
             setup,
             anneal_config=anneal_config,
-            window=oracle_window if oracle else now_window if "+now" in n else window,
+            window=(
+                dual_window
+                if dual
+                else oracle_window
+                if oracle
+                else now_window
+                if "+now" in n
+                else window
+            ),
             interval=interval,
             discount=oracle_discount if oracle else discount,
             seed=seed,
@@ -533,6 +569,23 @@ def simulate(
     if pack_bytes <= cache_bound_max_bytes:
         packed = bnd.PackedReads(n_steps, L, setup.num_blocks)
     bound_wall = 0.0
+    values, dual_wall = None, 0.0
+    if any(getattr(p, "needs_values", False) for p in pols.values()):
+        from jaxkv import lp_bound  # imports this module
+
+        w0 = time.perf_counter()
+        values = lp_bound.trace_dual_values(
+            trace,
+            sparsity,
+            geometry=geometry,
+            profile=profile,
+            capacity_blocks=setup.capacity,
+            steps=n_steps,
+            demote_cost=demote_cost,
+            keep_fetched=keep_fetched,
+            progress=progress,
+        )
+        dual_wall = time.perf_counter() - w0
     bar = range(0, n_steps, chunk)
     if progress:
         from tqdm import tqdm
@@ -553,7 +606,13 @@ def simulate(
             bound_wall += time.perf_counter() - w0
         for n in names:
             w0 = time.perf_counter()
-            st = run_chunk(setup, c, states[n], reads, mass, jnp.int32(t0))
+            vals = None
+            if getattr(pols[n], "needs_values", False):
+                vals = np.zeros((c + horizon, *values.shape[1:]), np.float32)
+                got = values[t0 : t0 + c + horizon]
+                vals[: got.shape[0]] = got
+                vals = jnp.asarray(vals)
+            st = run_chunk(setup, c, states[n], reads, mass, jnp.int32(t0), vals)
             a = acc[n]
             a["latency"] += float(st.latency)
             a["hbm"] += float(st.hbm_reads)
@@ -597,6 +656,8 @@ def simulate(
             plan_seconds=per_plan * a["plans"],
             sim_seconds=a["wall"],
         )
+        if getattr(pols[n], "needs_values", False):
+            out[n]["dual_seconds"] = dual_wall  # the LP dual over the whole run, before it
     sa = [n for n in names if n.startswith("paper-sa[") and n not in policies]
     if sa:
         best = min(sa, key=lambda n: out[n]["latency_s"])

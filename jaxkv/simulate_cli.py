@@ -7,7 +7,7 @@ import json
 from jaxkv import cost
 from jaxkv import trace as tr
 from jaxkv.config import AnnealConfig, HardwareProfile
-from jaxkv.simulate import NOW_SPREAD, simulate
+from jaxkv.simulate import DUAL_WINDOW, NOW_SPREAD, simulate
 
 
 def format_table(result: dict) -> str:
@@ -97,6 +97,13 @@ def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> 
         "pool evicts the blocks needed latest); 0 = off",
     )
     p.add_argument(
+        "--dual-window",
+        type=int,
+        default=DUAL_WINDOW,
+        help="anneal-oracle+dual lookahead W (its blocks' value after the window comes from the "
+        "LP dual: jaxkv.lp_bound.dual_values)",
+    )
+    p.add_argument(
         "--ride",
         type=float,
         default=0.0,
@@ -132,6 +139,7 @@ def simulation_kwargs(args) -> dict:
         oracle_window=args.oracle_window,
         oracle_discount=args.oracle_discount,
         oracle_tail=args.oracle_tail,
+        dual_window=args.dual_window,
         ride=args.ride,
         anneal_config=AnnealConfig(chains=args.chains),
         seed=args.seed,

@@ -185,6 +185,7 @@ NAMES = [
     "paper-sa",
     "anneal",
     "anneal-oracle",
+    "anneal-oracle+dual",
     "anneal+reuse",
     "anneal+now",
 ]

@@ -15,7 +15,7 @@ from jaxkv.config import AnnealConfig, HardwareProfile
 
 TOL = 1e-6
 FAST = AnnealConfig(chains=4, max_iters=100)
-NAMES = ["static", "lru", "page", "paper-sa", "anneal", "anneal-oracle"]
+NAMES = ["static", "lru", "page", "paper-sa", "anneal", "anneal-oracle", "anneal-oracle+dual"]
 SMALL = cost.Geometry("small", 2, 1, 8, 2, 64.0, 0.0)  # 32 bytes per token-layer
 MID = cost.Geometry("mid", 2, 1, 8, 2, 4096.0, 0.0)  # weights dominate the steps that read few
 GEOMETRIES = {"small": SMALL, "mid": MID, "paper": cost.get_geometry("paper")}
@@ -358,3 +358,83 @@ def test_no_policy_beats_the_lp_bound(geometry, cap, sparsity, keep_fetched, dem
         # sub-horizons lower the bound (free initial placements), never raise it
         win = lpb.lp_bound_seconds(trace, sparsity, solver="highs", window=5, **kw)
         assert win["windows"] == 3 and win["total_s"] <= lp["total_s"] * (1 + 1e-6)
+
+
+def _chain_least(a, c, e, y_prev, t0):
+    """Least cost of a chain over steps t0 .. T - 1 from y_{t0 - 1} = y_prev, by enumerating
+    every 0/1 path (a: in-HBM cost, c: promotion, e: demotion, per step)."""
+    T = a.shape[0]
+    best = np.inf
+    for path in itertools.product((0, 1), repeat=T - t0):
+        cost_, prev = 0.0, y_prev
+        for u, y in zip(range(t0, T), path, strict=True):
+            cost_ += a[u] * y + c[u] * max(y - prev, 0) + e[u] * max(prev - y, 0)
+            prev = y
+        best = min(best, cost_)
+    return 0.0 if t0 == T else best
+
+
+@pytest.mark.parametrize("demote_cost", [0.0, 0.5])
+def test_value_to_go_is_the_chain_cost_difference_by_enumeration(demote_cost):
+    r = np.random.default_rng(7)
+    T, N, C = 6, 5, 2
+    reads = r.random((T, N)) < 0.5
+    reads[:, 0] = False  # never read: no chain
+    vf = np.array([0, 0, 0, 2, 0])  # block 3 sealed at step 2
+    reads[:2, 3] = False
+    blk = lpb._window_blocks(
+        reads,
+        np.full(T, 3.0),
+        C,
+        10.0,
+        valid_from=vf,
+        init=np.array([1, 1, 0, 0, 0], bool),
+        demote_cost=demote_cost,
+    )
+    z = np.concatenate([r.random(T), r.random(T) * 2.0, np.zeros(T)])
+    z[2 * T + 2] = 0.7  # the sealing row's price
+    v = lpb.value_to_go(blk, z)
+    a, c, e, _, _ = lpb._chain_costs(z[:T], z[T : 2 * T], z[2 * T :], blk, np)
+    assert v.shape == (T, blk["R"].shape[1])
+    for k in range(v.shape[1]):
+        for t in range(T):
+            g0 = _chain_least(a[:, k], c[:, k], e[:, k], 0, t + 1)
+            g1 = _chain_least(a[:, k], c[:, k], e[:, k], 1, t + 1)
+            assert v[t, k] == pytest.approx(max(g0 - g1, 0.0), abs=1e-9), (t, k)
+
+
+def test_value_to_go_by_hand_is_one_link_transfer_before_link_bound_reads():
+    # every step link-bound (theta = 0), no slot price: a resident block read at each of the
+    # next n steps saves n link reads; on host it would ride its first read into HBM and pay
+    # that one: the value of keeping it is one link transfer (rho block-HBM units)
+    T, rho = 5, 10.0
+    reads = np.ones((T, 1), bool)
+    blk = lpb._window_blocks(reads, np.zeros(T), 1, rho)
+    z = np.zeros(3 * T)
+    v = lpb.value_to_go(blk, z)
+    np.testing.assert_allclose(v[: T - 1, 0], rho)
+    assert v[T - 1, 0] == 0.0  # nothing after the last step
+    # every step HBM-bound (theta = 1): an HBM read costs its HBM time, a host read nothing
+    # priced, so keeping the block is worth nothing
+    z[:T] = 1.0
+    assert not lpb.value_to_go(blk, z).any()
+
+
+def test_dual_values_of_a_trace():
+    trace = tr.SyntheticTrace("recency-low", 40, 12, 2, 4, seed=1)
+    kw = dict(geometry=SMALL, profile=HardwareProfile.preset("gh200-paper"), capacity_blocks=3)
+    v = lpb.trace_dual_values(trace, 0.5, **kw)
+    reads = lpb.trace_reads(trace, 0.5, 12, [0, 1])
+    assert v.shape == reads.shape and v.dtype == np.float32
+    assert (v >= 0).all() and v.any()
+    # no value after a block's last read
+    later = np.flip(np.cumsum(np.flip(reads, 0), 0), 0)  # reads at steps >= t
+    after = np.concatenate([later[1:], np.zeros_like(later[:1])], 0) == 0
+    assert not v[after].any()
+    # windows of 4 steps, each seeing the rest of the run through its overlap
+    vw = lpb.trace_dual_values(trace, 0.5, window=4, overlap=12, **kw)
+    assert vw.shape == v.shape and (vw >= 0).all() and vw.any() and not vw[after].any()
+    with pytest.raises(ValueError, match="window must be >= 1 and overlap >= 0"):
+        lpb.dual_values(reads[:, 0], np.zeros(12), 3, 10.0, window=0)
+    with pytest.raises(ValueError, match="sparsity must lie in"):
+        lpb.trace_dual_values(trace, 1.0, **kw)

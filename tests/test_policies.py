@@ -52,6 +52,7 @@ ALL = {
     "anneal+aw+ec": P.Anneal(window=H, max_window=H, adaptive=True, compensate=True, config=FAST),
     "anneal-oracle": P.Anneal(name="anneal-oracle", forecast="oracle", window=H, config=FAST),
     "anneal-oracle+tail": P.Anneal(forecast="oracle", window=2, tail=H - 2, config=FAST),
+    "anneal-oracle+dual": P.Anneal(forecast="oracle", window=2, dual=True, config=FAST),
     "anneal+reuse": P.Anneal(forecast="reuse", unforeseen=True, window=H, config=FAST),
     "anneal+reuse+runs": P.Anneal(forecast="reuse", unforeseen=True, window=H, config=FAST),
     "anneal-oracle+visits": P.Anneal(forecast="visits", window=2, tail=H - 2, config=FAST),
@@ -73,6 +74,9 @@ ALL = {
 def test_plan_is_jittable_within_capacity_and_valid(name):
     pol = ALL[name]
     obs = observation(runs=name.endswith("+runs"))
+    if getattr(pol, "needs_values", False):
+        vals = np.random.default_rng(1).random((H, L, N)) * 1e-4
+        obs = dataclasses.replace(obs, value_to_go=jnp.asarray(vals, jnp.float32))
     state = pol.init(L, N)
     plan = jax.jit(pol.plan)
     for _ in range(2):  # state threads through
@@ -334,6 +338,33 @@ def test_tail_value_prices_a_resident_block_by_its_next_read_after_the_window():
     assert not np.asarray(pol._tail_value(roomy, 2)).any()
 
 
+def test_dual_takes_the_value_to_go_at_the_window_end_and_keeps_the_dearest_block():
+    obs = observation()
+    r = np.random.default_rng(3)
+    vg = jnp.asarray(r.random((H, L, N)) * 1e-3, jnp.float32)
+    pol = P.Anneal(name="anneal-oracle+dual", forecast="oracle", window=2, dual=True, config=FAST)
+    assert pol.needs_values and pol.horizon == 2
+    v = np.asarray(pol._tail_value(dataclasses.replace(obs, value_to_go=vg), 2))
+    np.testing.assert_allclose(v, np.where(obs.valid, vg[1], 0.0))  # row W - 1, valid only
+    # nothing read in the window, a pool of one slot: the block the dual values most stays
+    quiet = dataclasses.replace(obs, forecast=jnp.zeros_like(obs.forecast), capacity=1)
+    for li, i in ((0, 3), (1, 17)):
+        vals = jnp.zeros((H, L, N), jnp.float32).at[:, li, i].set(1.0)
+        _, t = pol.plan(pol.init(L, N), dataclasses.replace(quiet, value_to_go=vals))
+        assert np.asarray(t)[li, i] and np.asarray(t)[li].sum() == 1
+
+
+def test_dual_validation():
+    msg = r"dual=True .* needs forecast='oracle' and adaptive=False"
+    with pytest.raises(ValueError, match=msg):
+        P.Anneal(forecast="ema", dual=True)
+    with pytest.raises(ValueError, match=msg):
+        P.Anneal(forecast="oracle", adaptive=True, dual=True)
+    pol = P.Anneal(forecast="oracle", window=2, dual=True, config=FAST)
+    with pytest.raises(ValueError, match=r"needs obs.value_to_go of shape \[>= 2, layers, N\]"):
+        pol.plan(pol.init(L, N), observation())
+
+
 def test_overflow_value_counts_every_read_after_the_window_where_the_pool_overflows():
     obs = observation()
     f = np.zeros((H, L, N), np.float32)
@@ -370,6 +401,14 @@ def test_overflow_value_counts_every_read_after_the_window_where_the_pool_overfl
     assert np.asarray(near._tail_value(obs, 2))[1, 0] == pytest.approx(0.5 * unit)
     v = np.asarray(dataclasses.replace(near, overflow_link_ratio=1.0)._tail_value(obs, 2))
     assert v[1, 0] == pytest.approx(0.2 * unit * (1 + 0.5 + 0.25))
+    # with `dual`, the dual's value replaces Belady's (layer 1) and the overflow layer keeps its
+    # whole-visit value (layer 0)
+    vg = np.random.default_rng(5).random((H, L, N)).astype(np.float32)
+    dual = dataclasses.replace(pol, dual=True)
+    v = np.asarray(dual._tail_value(dataclasses.replace(obs, value_to_go=jnp.asarray(vg)), 2))
+    np.testing.assert_allclose(v[1], np.where(obs.valid[1], vg[1, 1], 0.0))
+    assert v[0, 0] == pytest.approx(0.2 * unit * (1 + 0.5 + 0.25))
+    assert v[0, 2] == 0.0
 
 
 def test_unforeseen_charges_the_reads_the_forecast_cannot_place():

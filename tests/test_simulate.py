@@ -94,6 +94,7 @@ NAMES = [
     "anneal",
     "anneal-oracle",
     "anneal-oracle+visits",
+    "anneal-oracle+dual",
     "anneal+aw+ec",
     "anneal+reuse",
     "anneal+reuse+now",
@@ -221,15 +222,65 @@ def test_cli_unknown_policy_lists_names(capsys):
 
 def test_unknown_modifier():
     with pytest.raises(
-        ValueError, match=r"unknown modifier 'xx'; expected 'aw', 'ec', 'reuse', 'now' or 'visits'"
+        ValueError,
+        match=r"unknown modifier 'xx'; expected 'aw', 'ec', 'reuse', 'now', 'visits' or 'dual'",
     ):
         run(["anneal+xx"])
+    for bad in ("anneal+dual", "anneal-oracle+visits+dual", "anneal-oracle+aw+dual"):
+        with pytest.raises(ValueError, match=r"\+dual values blocks from the LP dual .* only"):
+            run([bad])
     with pytest.raises(ValueError, match=r"\+reuse refines the online forecast, for anneal only"):
         run(["anneal-oracle+reuse"])
     with pytest.raises(ValueError, match=r"\+visits cuts the oracle, for anneal-oracle only"):
         run(["anneal+visits"])
     with pytest.raises(ValueError, match=r"\+now refines the online forecast, for anneal only"):
         run(["anneal-oracle+now"])
+
+
+def test_dual_oracle_runs_on_the_dual_values_and_reports_their_time():
+    trace = tr.SyntheticTrace("recency-low", 40, 12, 2, 4, seed=1)
+    kw = dict(
+        profile=HardwareProfile.preset("gh200-paper"),
+        geometry=cost.get_geometry("paper"),
+        sparsity=0.5,
+        capacity_blocks=3,
+        chunk=5,
+        anneal_config=FAST,
+        progress=False,
+        time_plans=True,
+    )
+    res = sim.simulate(trace, ["anneal-oracle+dual", "unlimited"], **kw)["policies"]
+    d = res["anneal-oracle+dual"]
+    assert d["dual_seconds"] > 0 and d["plan_seconds"] > 0
+    assert d["latency_s"] >= res["unlimited"]["latency_s"] * (1 - 1e-6)
+    # the plans see the values (no tail, so no whole-visit values either): priced at zero, the
+    # oracle plans as with no terminal value;
+    # priced far above a step on the blocks the prompt left in HBM (0 .. 2), it keeps them and
+    # moves fewer blocks
+    import jaxkv.lp_bound as lpb
+
+    def patched(scale):
+        def values(*a, **k):
+            v = np.zeros_like(orig(*a, **k))
+            v[:, :, :3] = scale
+            return v
+
+        return values
+
+    orig = lpb.trace_dual_values
+    out = {}
+    try:
+        for scale in (0.0, 1.0):
+            lpb.trace_dual_values = patched(scale)
+            out[scale] = sim.simulate(trace, ["anneal-oracle+dual"], oracle_tail=0, **kw)[
+                "policies"
+            ]
+    finally:
+        lpb.trace_dual_values = orig
+    plain = sim.simulate(trace, ["anneal-oracle"], oracle_window=2, oracle_tail=0, **kw)
+    zero, kept = out[0.0]["anneal-oracle+dual"], out[1.0]["anneal-oracle+dual"]
+    assert zero["latency_s"] == pytest.approx(plain["policies"]["anneal-oracle"]["latency_s"])
+    assert kept["migrated_bytes"] < zero["migrated_bytes"]
 
 
 def test_now_promotes_a_visit_at_its_first_read():
