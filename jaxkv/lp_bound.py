@@ -611,6 +611,16 @@ def value_to_go(blk: dict, multipliers) -> np.ndarray:
     return np.clip(out, 0.0, None)
 
 
+def _window_start(R, valid_from, init, t0: int) -> dict:
+    """How a sub-horizon starting at step t0 begins: sealing steps shifted to it, the initial
+    placement for the first window only (later ones start free), the step before's reads."""
+    return dict(
+        valid_from=np.maximum(valid_from - t0, 0),
+        init=init if t0 == 0 else None,
+        prev_read=R[t0 - 1] if t0 > 0 else None,
+    )
+
+
 def dual_values(
     reads,
     fixed,
@@ -645,14 +655,13 @@ def dual_values(
     for t0 in range(0, T, window):
         t1 = min(T, t0 + window)
         t2 = min(T, t1 + overlap)
+        kw = _window_start(R, vf, init, t0)
         blk = _window_blocks(
             R[t0:t2],
             fixed[t0:t2],
             capacity,
             rho,
-            valid_from=np.maximum(vf - t0, 0),
-            init=init if t0 == 0 else None,
-            prev_read=R[t0 - 1] if t0 > 0 else None,
+            **kw,
             keep_fetched=keep_fetched,
             demote_cost=demote_cost,
         )
@@ -723,9 +732,7 @@ def layer_bound(
     for t0 in range(0, T, w):
         t1 = min(T, t0 + w)
         kw = dict(
-            valid_from=np.maximum(vf - t0, 0),
-            init=init if t0 == 0 else None,
-            prev_read=R[t0 - 1] if t0 > 0 else None,
+            **_window_start(R, vf, init, t0),
             keep_fetched=keep_fetched,
             demote_cost=demote_cost,
             promote_write=promote_write,
