@@ -364,7 +364,7 @@ def plan_moves(cache: TieredKVCache, target: jax.Array, max_moves: int) -> Moves
     return Moves(demote=demote, promote=promote, num_demote=n_out, num_promote=n_in)
 
 
-def migrate(cache: TieredKVCache, moves: Moves) -> tuple[TieredKVCache, jax.Array]:
+def migrate(cache: TieredKVCache, moves: Moves, layers=None) -> tuple[TieredKVCache, jax.Array]:
     """Applies `moves`: per layer all demotions (HBM -> host), then promotions (host -> HBM).
 
     Contents are copied bit for bit; table and free masks are updated. When HBM has no free slot
@@ -372,8 +372,11 @@ def migrate(cache: TieredKVCache, moves: Moves) -> tuple[TieredKVCache, jax.Arra
     `plan_moves` to control which blocks leave). Entries that no longer apply (a block already in
     the destination tier, or not sealed) are skipped.
 
+    Args:
+      layers: python ints, the layers whose moves to apply (default: all); the others' moves
+        are not traced at all (the decode loop's in-step plans move one layer at a time).
     Returns:
-      (new cache, [layers] int32 number of blocks actually moved).
+      (new cache, [layers] int32 number of blocks actually moved; 0 outside `layers`).
     """
     c = cache.config
     L, M = c.num_layers, c.max_blocks
@@ -418,8 +421,12 @@ def migrate(cache: TieredKVCache, moves: Moves) -> tuple[TieredKVCache, jax.Arra
         go = applies & has_room
         return jax.lax.cond(go, do, lambda cc: cc, cache), count + go
 
-    counts = []
-    for layer in range(L):  # layers are few and static; moves per layer are dynamic
+    chosen = range(L) if layers is None else tuple(layers)
+    bad = [x for x in chosen if not 0 <= x < L]
+    if bad:
+        raise ValueError(f"migrate layers {bad} out of range: expected ints in [0, {L})")
+    counts = [jnp.int32(0)] * L
+    for layer in chosen:  # layers are few and static; moves per layer are dynamic
         carry = (cache, jnp.int32(0))
         carry = jax.lax.fori_loop(
             0,
@@ -433,8 +440,7 @@ def migrate(cache: TieredKVCache, moves: Moves) -> tuple[TieredKVCache, jax.Arra
             lambda i, cc, layer=layer: move_one(layer, moves.promote[layer, i], cc, True),
             carry,
         )
-        cache, n = carry
-        counts.append(n)
+        cache, counts[layer] = carry
     return cache, jnp.stack(counts).astype(jnp.int32)
 
 

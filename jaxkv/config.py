@@ -264,7 +264,8 @@ class PlacementConfig:
     """How and when the decode loop re-plans placement.
 
     Attributes:
-      policy: policy name (see `jaxkv.policies.POLICIES`).
+      policy: policy name (see `jaxkv.policies.POLICIES`), "anneal" with the modifiers
+        +reuse, +now, +ec (`jaxkv.policies.split_name`).
       window: steps between plans (W); held in the decode state, so changing it never recompiles.
       adaptive_window: adapt W by +-window_step from the HBM hit rate, within
         [min_window, max_window].

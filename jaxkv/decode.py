@@ -6,8 +6,11 @@ donated) and `generate` (a `lax.while_loop` over `step` that stops at a step lim
 sequence has finished, or when a cache is full). Both run the window hook inside jit: every W
 steps (W lives in the state, so changing it never recompiles) the policy plans a target placement
 from the per-block read statistics, `plan_moves` bounds it to a migration budget, and the cache
-migrates. DecodeState carries the metrics: per-step bytes read from each tier, the modeled step
-latency under a HardwareProfile (PAPER.md's max of the two tiers), blocks migrated, HBM hit rate.
+migrates. A policy with `now` (e.g. "anneal+reuse+now") plans inside the step instead: for each
+layer, after the Quest selection of the blocks it is about to read and before it reads them, so
+it can promote a block for the very step that reads it (the simulator's `+now`). DecodeState
+carries the metrics: per-step bytes read from each tier, the modeled step latency under a
+HardwareProfile (PAPER.md's max of the two tiers), blocks migrated, HBM hit rate.
 """
 
 from __future__ import annotations
@@ -23,10 +26,17 @@ from flax import nnx
 from jaxkv import cache as kvc
 from jaxkv import importance as imp
 from jaxkv._pytree import pytree_dataclass, replace
-from jaxkv.attention import resolve_impl, tiered_attention
+from jaxkv.attention import resolve_impl, select_blocks, tiered_attention
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.cost import layer_step_time
-from jaxkv.policies import POLICIES, Observation, adapt_window, get_policy
+from jaxkv.policies import (
+    NOW_WINDOW,
+    POLICIES,
+    Observation,
+    adapt_window,
+    modifier_kwargs,
+    split_name,
+)
 
 # ---- sampling ---------------------------------------------------------------------------------
 
@@ -121,13 +131,20 @@ class Decoder:
       model: a `models.Llama` (or any nnx.Module with `prefill` and `decode_step` as Llama's).
       cache_config: cache geometry and capacities; its num_layers, kv_heads and head_dim must
         match the model.
-      placement: attention mode, window, policy name and migration budget.
+      placement: attention mode, window, policy name and migration budget. Names take the
+        simulator's modifiers a live decode can honour (`jaxkv.policies.split_name`): "+reuse",
+        "+now", "+ec" on "anneal". With "+now" every `window` steps each layer is planned inside
+        the step, between its block selection and its read, over a NOW_WINDOW-step lookahead;
+        every migration, in the step or at a window's end, loads both sides of its step (a
+        block crosses the link once and is written to or read from HBM once), as in the
+        simulator and PAPER.md's cost model.
       max_new_tokens: tokens to generate per sequence (the prefill token included).
       sampler: `Greedy()` or `Sampling(...)`.
       profile: a HardwareProfile or a preset name, for the modeled latency.
       eos_id: token id that finishes a sequence, or None.
       impl: attention implementation, "auto" | "xla" | "pallas".
       ema_decay: decay of the per-block read statistics per step.
+      policy_kwargs: overrides of the policy's fields (e.g. {"now": True, "spread": 1.0}).
     """
 
     def __init__(
@@ -166,15 +183,28 @@ class Decoder:
         self.ema_decay = ema_decay
         self.weight_bytes_per_layer = model_weight_bytes(params) / mc.num_layers
         self.policy = self._make_policy(policy_kwargs or {})
+        # `now` policies plan each layer inside the step, between its block selection and read
+        self.plans_in_step = bool(getattr(self.policy, "now", False))
         self._prefill = jax.jit(self._prefill_impl)
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
         self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
 
     def _make_policy(self, overrides: dict):
         """Builds the placement policy, filling in what it models from this decoder's geometry
-        (hardware profile, block bytes, weight bytes, window, migration budget)."""
+        (hardware profile, block bytes, weight bytes, window, migration budget).
+
+        Names take the simulator's modifiers (`jaxkv.policies.split_name`) where a live decode
+        can honour them: "anneal+reuse", "anneal+now", "anneal+reuse+now", "+ec". A policy with
+        `now` plans inside the step (see the class docstring); its lookahead is NOW_WINDOW steps
+        unless policy_kwargs sets `window`, and it plans every `placement.window` steps."""
         c, p = self.cache_config, self.placement
-        cls = POLICIES.get(p.policy) or get_policy(p.policy)  # get_policy names valid ones
+        base, mods = split_name(p.policy)
+        if "aw" in mods:
+            raise ValueError(
+                f"policy {p.policy!r}: +aw adapts the simulator's window; in the decode loop use "
+                "PlacementConfig(adaptive_window=True)"
+            )
+        cls = POLICIES[base]
         known = (
             {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
         )
@@ -188,20 +218,20 @@ class Decoder:
             # the cache is exclusive: a demotion copies the block over the link
             "demote_cost": 1.0,
         }
-        policy = get_policy(
-            p.policy, **{**{k: v for k, v in auto.items() if k in known}, **overrides}
-        )
-        if getattr(policy, "now", False):
-            raise ValueError(
-                f"policy {p.policy!r} with now=True plans with the current step's read set, "
-                "which this decode loop, planning between steps, does not know yet; use it in "
-                "`jaxkv simulate` (anneal+now), or now=False here"
-            )
-        if getattr(policy, "needs_forecast", False):
+        kwargs = {k: v for k, v in auto.items() if k in known}
+        if mods:
+            kwargs.update(name=p.policy, **modifier_kwargs(mods))
+        kwargs.update(overrides)
+        if kwargs.get("now", False):
+            # the lookahead of a plan that knows its step; it re-plans every placement.window
+            kwargs["window"] = overrides.get("window", NOW_WINDOW)
+            kwargs["interval"] = overrides.get("interval", p.window)
+        policy = cls(**kwargs)
+        if getattr(policy, "needs_forecast", False) and not getattr(policy, "now", False):
             raise ValueError(
                 f"policy {p.policy!r} plans from perfect knowledge of future reads, which a live "
                 "decode does not have; use it in `jaxkv simulate`, or an online policy here "
-                "(e.g. 'lru' or 'anneal')"
+                "(e.g. 'lru', 'anneal' or 'anneal+reuse+now')"
             )
         return policy
 
@@ -309,16 +339,29 @@ class Decoder:
         attn_len = state.cache.lengths + active.astype(jnp.int32)
         scale = 1.0 / float(np.sqrt(self.model_config.head_dim))
 
+        L, N = c.num_layers, c.batch * c.max_blocks
+        in_step = self.plans_in_step
+        plan_now = state.since_plan + 1 >= state.window  # this step ends the window
+
         def attend(layer, q, k_new, v_new, carry):
-            cache, layer_stats = carry
+            cache, layer_stats, pstate, migrated = carry
             dt = c.jnp_dtype
             cache = kvc.write_token(cache, layer, k_new.astype(dt), v_new.astype(dt), active)
+            if in_step:  # plan this layer knowing what it is about to read, then read
+                cache, pstate, moved = jax.lax.cond(
+                    plan_now,
+                    lambda a: self._plan_layer(*a, layer, q, attn_len, state.stats, state.step),
+                    lambda a: (*a, jnp.zeros((2,), jnp.int32)),
+                    (cache, pstate),
+                )
+                migrated = migrated.at[layer].set(moved)
             out, st = tiered_attention(q, cache, layer, attn_len, p, scale=scale, impl=self.impl)
-            return out.astype(q.dtype), (cache, layer_stats + (st,))
+            return out.astype(q.dtype), (cache, layer_stats + (st,), pstate, migrated)
 
         with jax.named_scope("model"):
-            logits, (cache, layer_stats) = model.decode_step(
-                state.last, state.cache.lengths, attend, (state.cache, ())
+            carry = (state.cache, (), state.policy_state, jnp.zeros((L, 2), jnp.int32))
+            logits, (cache, layer_stats, policy_state, migrated) = model.decode_step(
+                state.last, state.cache.lengths, attend, carry
             )
         cache = kvc.advance(cache, active)
         key, sub = jax.random.split(state.key)
@@ -334,9 +377,12 @@ class Decoder:
         read_host = jnp.stack([s.read_host for s in layer_stats])
         mass = jnp.stack([s.mass for s in layer_stats])
         read = read_hbm | read_host
-        L, N = c.num_layers, c.batch * c.max_blocks
+        stats = state.stats
+        if in_step:  # the plan saw the reads since the last plan: count afresh from this step
+            wr = jnp.where(plan_now, 0.0, stats.window_reads)
+            stats = replace(stats, window_reads=wr)
         stats = imp.update_stats(
-            state.stats,
+            stats,
             read.reshape(L, N),
             mass.reshape(L, N),
             step,
@@ -346,20 +392,13 @@ class Decoder:
         hbm_b = read_hbm.sum(axis=(1, 2)) * bb  # [L]
         host_b = read_host.sum(axis=(1, 2)) * bb
         write_b = float(c.batch * c.block_bytes // c.block_size)
-        lat = layer_step_time(
-            hbm_b,
-            host_b,
-            profile=self.profile,
-            weight_bytes=self.weight_bytes_per_layer,
-            hbm_write_bytes=write_b,
-        ).sum()
         n_hbm, n_all = read_hbm.sum().astype(jnp.float32), read.sum().astype(jnp.float32)
         m = state.metrics
         metrics = replace(
             m,
             hbm_bytes=m.hbm_bytes.at[step].set(hbm_b.sum()),
             host_bytes=m.host_bytes.at[step].set(host_b.sum()),
-            latency=m.latency.at[step].set(lat),
+            migrated_blocks=m.migrated_blocks + migrated.sum(),
             hbm_reads=m.hbm_reads + n_hbm,
             total_reads=m.total_reads + n_all,
             window_trace=m.window_trace.at[step].set(state.window),
@@ -377,31 +416,94 @@ class Decoder:
             win_total=state.win_total + n_all,
             stats=stats,
             step_mass=mass,
+            policy_state=policy_state,
             metrics=metrics,
         )
-        return jax.lax.cond(state.since_plan >= state.window, self._window, lambda s: s, state)
+        state, moved = jax.lax.cond(
+            state.since_plan >= state.window,
+            self._window,
+            lambda s: (s, jnp.zeros((L,), jnp.int32)),
+            state,
+        )
+        # migrations load both sides of the step they are made in, as in the simulator and
+        # PAPER.md: each block crosses the link once and is written to or read from HBM once
+        mig_b = (migrated.sum(axis=1) + moved).astype(jnp.float32) * bb  # [L]
+        lat = layer_step_time(
+            hbm_b,
+            host_b,
+            profile=self.profile,
+            weight_bytes=self.weight_bytes_per_layer,
+            hbm_write_bytes=write_b,
+            hbm_migration_bytes=mig_b,
+            link_migration_bytes=mig_b,
+        ).sum()
+        m = state.metrics
+        return replace(state, metrics=replace(m, latency=m.latency.at[step].set(lat)))
 
-    def _window(self, state: DecodeState) -> DecodeState:
-        """The window boundary: observe -> plan -> migrate (-> compact), adapt W."""
-        c, p = self.cache_config, self.placement
+    def _observation(self, cache, stats: imp.Stats, step, rows=None, forecast=None):
+        """What the policy sees: all layers, or the layer slice `rows` (a python slice)."""
+        c = self.cache_config
         L, N = c.num_layers, c.batch * c.max_blocks
-        cache = state.cache
-        obs = Observation(
-            in_hbm=cache.in_hbm.reshape(L, N),
-            valid=cache.sealed.reshape(L, N),
-            last_read=state.stats.last_read,
-            read_ema=state.stats.read_ema,
-            mass_ema=state.stats.mass_ema,
-            step=state.step,
-            window_reads=state.stats.window_reads,
-            since_seen=state.stats.since_seen,
-            since_read=state.stats.since_read,
-            streak=state.stats.streak,
+        rows = slice(None) if rows is None else rows
+
+        def cut(x):
+            return None if x is None else x[rows]
+
+        return Observation(
+            in_hbm=cache.in_hbm.reshape(L, N)[rows],
+            valid=cache.sealed.reshape(L, N)[rows],
+            last_read=stats.last_read[rows],
+            read_ema=stats.read_ema[rows],
+            mass_ema=stats.mass_ema[rows],
+            step=step,
+            forecast=forecast,
+            window_reads=stats.window_reads[rows],
+            since_seen=cut(stats.since_seen),
+            since_read=cut(stats.since_read),
+            streak=cut(stats.streak),
             capacity=c.hbm_pool_slots,
         )
-        policy_state, target = self.policy.plan(state.policy_state, obs)
-        moves = kvc.plan_moves(cache, target, p.max_moves)
-        cache, moved = kvc.migrate(cache, moves)
+
+    def _plan_layer(self, cache, pstate, layer: int, q, lengths, stats, step):
+        """The in-step plan of one layer (`plans_in_step`): the blocks this layer reads at this
+        step (the same Quest selection `tiered_attention` makes next) are the forecast's row 0;
+        the policy plans this layer alone, and the cache migrates it before the read.
+
+        Returns:
+          (cache, policy state, [2] int32 promotions and demotions made)."""
+        c, p = self.cache_config, self.placement
+        L, N = c.num_layers, c.batch * c.max_blocks
+        rows = slice(layer, layer + 1)
+        selected = select_blocks(q, cache, layer, lengths, p).reshape(1, 1, N)
+        obs = self._observation(cache, stats, step, rows, selected.astype(jnp.float32))
+        # the policy state's per-block [layers, N] leaves are cut to this layer, the rest shared
+        per_block = jax.tree.map(lambda x: x.shape == (L, N), pstate)
+        sub = jax.tree.map(lambda x, b: x[rows] if b else x, pstate, per_block)
+        sub, target = self.policy.plan(sub, obs)
+        pstate = jax.tree.map(lambda x, y, b: x.at[rows].set(y) if b else y, pstate, sub, per_block)
+        before = cache.in_hbm.reshape(L, N)
+        moves = kvc.plan_moves(cache, before.at[layer].set(target[0]), p.max_moves)
+        cache, _ = kvc.migrate(cache, moves, layers=(layer,))
+        was, now = before[layer], cache.in_hbm.reshape(L, N)[layer]
+        moved = jnp.stack([jnp.sum(now & ~was), jnp.sum(was & ~now)]).astype(jnp.int32)
+        return cache, pstate, moved
+
+    def _window(self, state: DecodeState) -> tuple[DecodeState, jax.Array]:
+        """The window boundary: observe -> plan -> migrate (-> compact), adapt W. A policy that
+        plans in the step (`plans_in_step`) has already planned and migrated this step.
+
+        Returns:
+          (state, [layers] int32 blocks migrated here)."""
+        c, p = self.cache_config, self.placement
+        cache, policy_state = state.cache, state.policy_state
+        moved = jnp.zeros((c.num_layers,), jnp.int32)
+        stats = state.stats
+        if not self.plans_in_step:
+            obs = self._observation(cache, stats, state.step)
+            policy_state, target = self.policy.plan(policy_state, obs)
+            moves = kvc.plan_moves(cache, target, p.max_moves)
+            cache, moved = kvc.migrate(cache, moves)
+            stats = replace(stats, window_reads=jnp.zeros_like(stats.window_reads))
         windows = state.metrics.windows + 1
         if p.compact_every:
             impl = "pallas" if resolve_impl(self.impl, c) == "pallas" else "xla"
@@ -411,30 +513,19 @@ class Decoder:
                 lambda x: x,
                 cache,
             )
-        n_moved = moved.sum()
-        # a migration crosses the link once and touches HBM once: charge the slower side
-        mig_bytes = n_moved.astype(jnp.float32) * c.block_bytes
-        mig_time = jnp.maximum(
-            mig_bytes / self.profile.link_bandwidth, mig_bytes / self.profile.hbm_bandwidth
-        )
         m = state.metrics
-        last = state.step - 1
-        metrics = replace(
-            m,
-            latency=m.latency.at[last].add(mig_time),
-            migrated_blocks=m.migrated_blocks + n_moved,
-            windows=windows,
-        )
+        metrics = replace(m, migrated_blocks=m.migrated_blocks + moved.sum(), windows=windows)
         hit = state.win_hbm / jnp.maximum(state.win_total, 1.0)
         window = state.window
         if p.adaptive_window:
             window = adapt_window(
                 window, hit, state.prev_hit, p.min_window, p.max_window, p.window_step
             )
-        return replace(
+        state = replace(
             state,
             cache=cache,
             policy_state=policy_state,
+            stats=stats,
             metrics=metrics,
             window=window,
             since_plan=jnp.int32(0),
@@ -442,6 +533,7 @@ class Decoder:
             win_total=jnp.float32(0),
             prev_hit=hit,
         )
+        return state, moved
 
     def _generate_impl(self, params, state: DecodeState, until) -> DecodeState:
         c = self.cache_config

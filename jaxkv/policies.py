@@ -515,11 +515,14 @@ class Anneal:
         host = jnp.sum(cold * ~obs.in_hbm, -1) / jnp.maximum(jnp.sum(cold, -1), 1e-9)  # [layers]
         return self.block_bytes * jnp.swapaxes(missing * host[None], 0, 1)
 
-    def _host_loads(self, a):
+    def _host_loads(self, a, full=None):
         """host_hbm / host_link [layers, W, N] of `anneal.AnnealProblem` for forecast a [W,
         layers, N] under `ride`: steps >= 1 mix the held placement (reads on the link) with the
         promotion at the first read after step 0 (that read on the link, an HBM write, then
-        HBM reads)."""
+        HBM reads). In a layer whose pool is `full` ([layers] bool, default none) that promotion
+        displaces a resident block, which costs `demote_cost` on both sides: without it, an
+        exclusive cache (the decode loop's demote_cost 1) prices leaving a block on host for the
+        re-plan to promote below promoting it now, and every re-plan defers again."""
         p = jnp.clip(a, 0.0, 1.0)
         later = (jnp.arange(a.shape[0]) >= 1)[:, None, None]
         miss = jnp.where(later, 1.0 - p, 1.0)  # steps 1 .. t - 1 without a read
@@ -527,8 +530,10 @@ class Anneal:
         before = jnp.concatenate([jnp.ones_like(miss[:1]), jnp.cumprod(miss, axis=0)[:-1]], 0)
         first = jnp.where(later, p * before, 0.0)  # P(first read after step 0 is at step t)
         r = self.ride
-        hh = jnp.where(later, r * a, 0.0)
-        hl = jnp.where(later, (1.0 - r) * a + r * first, a)
+        cost = 0.0 if full is None else jnp.where(full, self.demote_cost, 0.0)[None, :, None]
+        displace = r * first * cost
+        hh = jnp.where(later, r * a + displace, 0.0)
+        hl = jnp.where(later, (1.0 - r) * a + r * first + displace, a)
         return dict(host_hbm=jnp.swapaxes(hh, 0, 1), host_link=jnp.swapaxes(hl, 0, 1))
 
     def _online_forecast(
@@ -640,7 +645,8 @@ class Anneal:
         kept = jnp.zeros_like(a0)
         if self.keep_fetched:
             kept = (imp.read_last_step(obs.last_read, obs.step) & ~obs.in_hbm).astype(jnp.float32)
-        host = self._host_loads(a) if self.ride > 0.0 else {}
+        full = jnp.sum(obs.valid, axis=-1) > obs.capacity  # [layers]
+        host = self._host_loads(a, full) if self.ride > 0.0 else {}
         spread = None
         if self.spread:  # each step's expected time under the forecast's uncertainty
             var = self._link_variance(a, host, fixed_link, ~obs.in_hbm & obs.valid)
@@ -722,6 +728,72 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     "anneal-oracle": functools.partial(Anneal, name="anneal-oracle", forecast="oracle"),
     "unlimited": Unlimited,
 }
+
+
+# `+now` (a plan that knows the read set of the step it plans for): its lookahead W (3 steps
+# beat 10 by 0-1.5% at 512 steps) and its `Anneal.spread` (1.0, 1.5, 2.0 measured at 512 steps;
+# 1.5 is best or within 0.3% of it in every cell): bench/RESULTS.md
+NOW_WINDOW = 3
+NOW_SPREAD = 1.5
+# the modifiers of `anneal` and `anneal-oracle` names, as in "anneal+reuse+now"
+MODIFIERS = ("aw", "ec", "reuse", "now", "visits", "dual")
+
+
+def split_name(name: str) -> tuple[str, tuple[str, ...]]:
+    """(base, modifiers) of a policy name such as "anneal+reuse+now", validated.
+
+    `anneal` and `anneal-oracle` take +aw (the seed's adaptive window) and +ec (forecast-error
+    compensation); `anneal` also +reuse (the re-read law) and +now (the step's own read set);
+    `anneal-oracle` also +visits and +dual. Raises ValueError naming the valid choices.
+    """
+    base, *mods = name.split("+")
+    if base not in POLICIES:
+        raise ValueError(
+            f"unknown policy {name!r}; expected one of {sorted(POLICIES)} "
+            "(anneal / anneal-oracle take +aw, +ec; anneal also +reuse, +now; anneal-oracle "
+            "+visits, +dual)"
+        )
+    if mods and base not in ("anneal", "anneal-oracle"):
+        raise ValueError(
+            f"policy {name!r}: modifiers +aw/+ec apply to anneal and anneal-oracle "
+            f"only, not {base!r}"
+        )
+    bad = [m for m in mods if m not in MODIFIERS]
+    if bad:
+        raise ValueError(
+            f"policy {name!r}: unknown modifier {bad[0]!r}; expected 'aw', 'ec', 'reuse', 'now', "
+            "'visits' or 'dual'"
+        )
+    for m in ("reuse", "now"):
+        if m in mods and base != "anneal":
+            raise ValueError(f"policy {name!r}: +{m} refines the online forecast, for anneal only")
+    if "visits" in mods and base != "anneal-oracle":
+        raise ValueError(f"policy {name!r}: +visits cuts the oracle, for anneal-oracle only")
+    if "dual" in mods and (base != "anneal-oracle" or {"visits", "aw"} & set(mods)):
+        raise ValueError(
+            f"policy {name!r}: +dual values blocks from the LP dual of the true future, for "
+            "anneal-oracle only, without +visits or +aw"
+        )
+    return base, tuple(mods)
+
+
+def modifier_kwargs(mods) -> dict:
+    """The `Anneal` keyword arguments that a name's modifiers (`split_name`) stand for."""
+    kw = dict(adaptive="aw" in mods, compensate="ec" in mods)
+    if "reuse" in mods:
+        # the re-read law learned online, with the reads it cannot place charged to the link
+        # (`unforeseen`) in place of the fixed link reserve
+        kw.update(forecast="reuse", unforeseen=True, link_reserve=0.0)
+    if "visits" in mods:
+        kw.update(forecast="visits")
+    if "dual" in mods:  # the LP dual's value-to-go as the terminal value, in place of Belady's
+        kw.update(dual=True)
+    if "now" in mods:
+        # the plan knows each step's reads, so a host block is promoted at its first read (the
+        # pricing of ride = 1), and it prices the later steps at their expected time under the
+        # forecast's spread
+        kw.update(now=True, ride=1.0, spread=NOW_SPREAD)
+    return kw
 
 
 def get_policy(name: str, **kwargs) -> Policy:

@@ -64,14 +64,20 @@ from jaxkv import cost
 from jaxkv import importance as imp
 from jaxkv._pytree import pytree_dataclass, static_field
 from jaxkv.config import AnnealConfig, HardwareProfile
-from jaxkv.policies import POLICIES, Observation, Static, get_policy
+from jaxkv.policies import (
+    NOW_SPREAD,
+    NOW_WINDOW,
+    POLICIES,
+    Observation,
+    Static,
+    get_policy,
+    modifier_kwargs,
+    split_name,
+)
 from jaxkv.trace import read_mask
 
 PAPER_SA_GRID = ((2, 10, 50), (0.5, 1.0))  # lookahead W values, fraction R values
 NEVER = 1 << 30
-# the `+now` policies' spread (`jaxkv.policies.Anneal.spread`): 1.0, 1.5, 2.0 measured at 512
-# steps; 1.5 is best or within 0.3% of it in every cell (bench/RESULTS.md)
-NOW_SPREAD = 1.5
 # W of `anneal-oracle+dual`: 2 beat 3 and 1 on recency-high 0.8, recency-low 0.6 and patterns
 # 0.6 at 300 steps (bench/RESULTS.md)
 DUAL_WINDOW = 2
@@ -294,40 +300,13 @@ def make_policy(
 ):
     """Builds a policy by (possibly modified) name with the simulator's cost model.
 
-    Names: POLICIES keys; `anneal` and `anneal-oracle` accept `+aw` / `+ec` modifiers;
-    `paper-sa[W,R]` fixes the paper heuristic's knobs.
+    Names: POLICIES keys, `anneal` and `anneal-oracle` with modifiers
+    (`jaxkv.policies.split_name`); `paper-sa[W,R]` fixes the paper heuristic's knobs.
     """
-    base, *mods = name.split("+")
-    if base.startswith("paper-sa[") and base.endswith("]"):
-        w, r = base[len("paper-sa[") : -1].split(",")
+    if name.startswith("paper-sa[") and name.endswith("]"):
+        w, r = name[len("paper-sa[") : -1].split(",")
         return POLICIES["paper-sa"](name=name, lookahead=int(w), fraction=float(r), window=1)
-    if base not in POLICIES:
-        raise ValueError(
-            f"unknown policy {name!r}; expected one of {sorted(POLICIES)} "
-            "(anneal / anneal-oracle take +aw, +ec; anneal also +reuse, +now; anneal-oracle "
-            "+visits, +dual)"
-        )
-    if mods and base not in ("anneal", "anneal-oracle"):
-        raise ValueError(
-            f"policy {name!r}: modifiers +aw/+ec apply to anneal and anneal-oracle "
-            f"only, not {base!r}"
-        )
-    bad = [m for m in mods if m not in ("aw", "ec", "reuse", "now", "visits", "dual")]
-    if bad:
-        raise ValueError(
-            f"policy {name!r}: unknown modifier {bad[0]!r}; expected 'aw', 'ec', 'reuse', 'now', "
-            "'visits' or 'dual'"
-        )
-    for m in ("reuse", "now"):
-        if m in mods and base != "anneal":
-            raise ValueError(f"policy {name!r}: +{m} refines the online forecast, for anneal only")
-    if "visits" in mods and base != "anneal-oracle":
-        raise ValueError(f"policy {name!r}: +visits cuts the oracle, for anneal-oracle only")
-    if "dual" in mods and (base != "anneal-oracle" or {"visits", "aw"} & set(mods)):
-        raise ValueError(
-            f"policy {name!r}: +dual values blocks from the LP dual of the true future, for "
-            "anneal-oracle only, without +visits or +aw"
-        )
+    base, mods = split_name(name)
     if base == "page":
         return get_policy("page", page_blocks=max(1, 16 // setup.block_size))
     if base in ("anneal", "anneal-oracle"):
@@ -341,20 +320,7 @@ def make_policy(
             fixed_bytes=setup.fixed_bytes,
             demote_cost=setup.demote_cost,
             keep_fetched=setup.keep_fetched,
-            adaptive="aw" in mods,
-            # +reuse: the re-read law learned online, with the reads it cannot place charged to
-            # the link (`unforeseen`) in place of the fixed link reserve
-            **(
-                dict(forecast="reuse", unforeseen=True, link_reserve=0.0) if "reuse" in mods else {}
-            ),
-            **(dict(forecast="visits") if "visits" in mods else {}),
-            # +dual: the LP dual's value-to-go as the terminal value, in place of Belady's
-            **(dict(dual=True) if "dual" in mods else {}),
-            # +now: the plan knows each step's reads, so a host block is promoted at its first
-            # read, the pricing of ride = 1 (the simulator's `ride`, when given, overrides it),
-            # and prices the later steps at their expected time under the forecast's spread
-            **(dict(now=True, ride=1.0, spread=NOW_SPREAD) if "now" in mods else {}),
-            compensate="ec" in mods,
+            **modifier_kwargs(mods),
             prompt_len=setup.prompt_len,
             block_size=setup.block_size,
             seed=seed,
@@ -452,7 +418,7 @@ def simulate(
     window: int = 10,
     interval: int = 1,
     discount: float = 0.8,
-    now_window: int = 3,
+    now_window: int = NOW_WINDOW,
     now_spread: float = NOW_SPREAD,
     oracle_window: int = 3,
     oracle_discount: float = 0.4,

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxkv.config import CacheConfig, PlacementConfig
 from jaxkv.decode import Decoder, summarize
-from jaxkv.policies import POLICIES
+from jaxkv.policies import POLICIES, split_name
 from models.default import default_model
 
 DEFAULT_POLICIES = ("static", "lru", "anneal")
@@ -62,9 +62,14 @@ def run_demo(
     """Decodes the same prompt with an all-HBM cache and with each policy; returns a summary."""
     from tqdm.auto import tqdm
 
-    unknown = [p for p in policies if p not in POLICIES]
+    unknown = [p for p in policies if p.split("+")[0] not in POLICIES]
     if unknown:
-        raise ValueError(f"unknown policies {unknown}; expected names from {sorted(POLICIES)}")
+        raise ValueError(
+            f"unknown policies {unknown}; expected names from {sorted(POLICIES)}, anneal with "
+            "+reuse, +now, +ec"
+        )
+    for p in policies:
+        split_name(p)  # a bad modifier: the error names the valid ones
     model, tokenizer = default_model()
     mc = model.config
     _, params = nnx.split(model)

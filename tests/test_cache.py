@@ -116,6 +116,24 @@ def test_migrate_swaps_when_hbm_full():
     np.testing.assert_array_equal(kvc.to_dense(new)[0], dk)
 
 
+def test_migrate_one_layer_leaves_the_others():
+    cache, dk, dv = random_cache(jax.random.key(3), shuffle_moves=0)
+    c = cache.config
+    target = jax.random.bernoulli(jax.random.key(4), 0.7, (c.num_layers, c.total_blocks))
+    moves = kvc.plan_moves(cache, target, 8)
+    new, moved = kvc.migrate(cache, moves, layers=(1,))
+    kvc.check_invariants(new)
+    assert int(moved[0]) == 0 and int(moved[1]) > 0
+    np.testing.assert_array_equal(np.asarray(new.tier[0]), np.asarray(cache.tier[0]))
+    np.testing.assert_array_equal(np.asarray(new.slot[0]), np.asarray(cache.slot[0]))
+    _, both = kvc.migrate(cache, moves)
+    assert int(moved[1]) == int(both[1])
+    for a, b in zip(kvc.to_dense(new), (dk, dv), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match=r"migrate layers \[2\] out of range"):
+        kvc.migrate(cache, moves, layers=(2,))
+
+
 def test_compact_makes_dense_prefix():
     cache, dk, dv = random_cache(jax.random.key(6), hbm_capacity=0.5)
     c = cache.config

@@ -5,7 +5,7 @@ import pytest
 from flax import nnx
 
 from jaxkv import cache as kvc
-from jaxkv.config import CacheConfig, PlacementConfig
+from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.decode import Decoder, Greedy, Sampling, summarize
 
 PROMPT_LENS = (45, 30)
@@ -108,6 +108,95 @@ def test_policy_migrates_under_sparse_attention(tiny, policy, window):
     assert summarize(state)["migrated_blocks"] > 0
 
 
+# a link 10^4 times slower than HBM: the tiny model's steps are link-bound, so placement matters
+SLOW_LINK = HardwareProfile("slow-link", hbm_bandwidth=1e13, link_bandwidth=1e9, hbm_bytes=1e9)
+
+
+def _sparse_run(tiny, policy, window, **kw):
+    model, params = tiny
+    p = PlacementConfig(policy=policy, window=window, attention="sparse", topk=3, max_moves=4)
+    dec = Decoder(model, _cfg(model, hbm=0.25), p, max_new_tokens=NEW, profile=SLOW_LINK, **kw)
+    return dec, dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
+
+
+@pytest.fixture(scope="module")
+def sparse_static(tiny):
+    return _sparse_run(tiny, "static", 1)[1]
+
+
+def test_now_plans_each_layer_in_the_step(tiny, sparse_static):
+    """anneal+reuse+now: each layer is planned inside the step, after its Quest selection and
+    before its read, so the blocks it is about to read can be promoted for this very step. The
+    tokens are those of any other placement; it beats Static and LRU on modeled time here."""
+    dec, state = _sparse_run(tiny, "anneal+reuse+now", 1)
+    assert dec.plans_in_step and dec.policy.now and dec.policy.window == 3
+    kvc.check_invariants(state.cache)
+    np.testing.assert_array_equal(np.asarray(state.tokens), np.asarray(sparse_static.tokens))
+    steps, layers = int(state.step), tiny[0].config.num_layers
+    assert int(state.policy_state.plans) == steps * layers  # one plan per layer and step
+    assert int(state.metrics.windows) == steps
+    got, static = summarize(state), summarize(sparse_static)
+    _, lru = _sparse_run(tiny, "lru", 1)
+    assert got["migrated_blocks"] > 0
+    assert got["hbm_hit_rate"] > static["hbm_hit_rate"]
+    best_other = min(static["modeled_seconds"], summarize(lru)["modeled_seconds"])
+    assert got["modeled_seconds"] < best_other
+
+
+def test_migrations_load_both_sides_of_their_step(tiny):
+    """The modeled time of a step with in-step migrations, recomputed by hand: per layer,
+    max((weights + HBM reads + token write + moved) / B_hbm, (host reads + moved) / B_link)."""
+    model, params = tiny
+    p = PlacementConfig(policy="anneal+reuse+now", window=1, attention="sparse", topk=3)
+    dec = Decoder(model, _cfg(model, hbm=0.25), p, max_new_tokens=NEW, profile=SLOW_LINK)
+    state = dec.prefill(params, _prompts(256), PROMPT_LENS)
+    for _ in range(NEW - 1):  # the first step that migrates and seals no block
+        sealed = np.asarray(state.cache.sealed)
+        before = np.asarray(state.cache.in_hbm) & sealed
+        n0, t = int(state.metrics.migrated_blocks), int(state.step)
+        state = dec.step(params, state)
+        if int(state.metrics.migrated_blocks) > n0 and (state.cache.sealed == sealed).all():
+            break
+    else:
+        pytest.fail("no step migrated")
+    c = dec.cache_config
+    after = np.asarray(state.cache.in_hbm)  # no seal: the tiers the step read from
+    read = np.asarray(state.stats.last_read == t).reshape(after.shape)
+    moved = (before != after).sum(axis=(1, 2))
+    assert moved.sum() == int(state.metrics.migrated_blocks) - n0
+    host = (read & ~after & sealed).sum(axis=(1, 2))  # the tails are read from HBM
+    bb, prof = c.block_bytes, SLOW_LINK
+    t_hbm = (
+        dec.weight_bytes_per_layer
+        + bb * (read.sum(axis=(1, 2)) - host)
+        + c.batch * bb // c.block_size
+        + bb * moved
+    ) / prof.hbm_bandwidth
+    t_link = bb * (host + moved) / prof.link_bandwidth
+    want = np.maximum(t_hbm, t_link).sum()
+    np.testing.assert_allclose(float(state.metrics.latency[t]), want, rtol=1e-5)
+
+
+def test_now_plans_every_window_steps(tiny):
+    """placement.window sets how often a `now` policy plans (its lookahead stays 3 steps)."""
+    dec, state = _sparse_run(tiny, "anneal+now", 4)
+    assert dec.policy.interval == 4 and dec.policy.window == 3
+    assert int(state.policy_state.plans) == (int(state.step) // 4) * tiny[0].config.num_layers
+
+
+def test_window_reads_restart_at_each_plan(tiny):
+    """A plan sees the reads since the previous plan (`unforeseen`, `+ec` use them)."""
+    model, params = tiny
+    p = PlacementConfig(policy="lru", window=2, attention="sparse", topk=3)
+    dec = Decoder(model, _cfg(model, hbm=0.25), p, max_new_tokens=NEW)
+    state = dec.prefill(params, _prompts(256), PROMPT_LENS)
+    state = dec.step(params, dec.step(params, state))  # plans after step 2
+    assert float(state.stats.window_reads.sum()) == 0.0
+    state = dec.step(params, state)
+    reads = state.stats.last_read == int(state.step) - 1
+    np.testing.assert_array_equal(np.asarray(state.stats.window_reads), np.asarray(reads))
+
+
 def test_decode_step_compiles_once_across_windows(tiny):
     model, params = tiny
     p = PlacementConfig(policy="lru", window=2, attention="sparse", topk=3)
@@ -190,13 +279,14 @@ def test_error_oracle_policy_in_live_decode(tiny):
     model, _ = tiny
     with pytest.raises(ValueError, match=r"policy 'anneal-oracle' plans from perfect knowledge"):
         Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(policy="anneal-oracle"))
-    with pytest.raises(ValueError, match=r"with now=True plans with the current step's read set"):
-        Decoder(
-            model,
-            _cfg(model, hbm=1.0),
-            PlacementConfig(policy="anneal"),
-            policy_kwargs={"now": True},
-        )
+    with pytest.raises(ValueError, match=r"policy 'anneal-oracle\+dual' plans from perfect"):
+        Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(policy="anneal-oracle+dual"))
+    with pytest.raises(ValueError, match=r"\+aw adapts the simulator's window; .*adaptive_window"):
+        Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(policy="anneal+aw"))
+    with pytest.raises(ValueError, match=r"unknown modifier 'fast'; expected 'aw'"):
+        Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(policy="anneal+fast"))
+    with pytest.raises(ValueError, match=r"\+now refines the online forecast, for anneal only"):
+        Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(policy="anneal-oracle+now"))
 
 
 def test_error_prompt_longer_than_cache(tiny):

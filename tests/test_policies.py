@@ -9,7 +9,7 @@ import pytest
 
 from jaxkv import importance as imp
 from jaxkv import policies as P
-from jaxkv.config import AnnealConfig
+from jaxkv.config import AnnealConfig, HardwareProfile
 
 L, N, CAP, H = 2, 24, 6, 5
 
@@ -446,6 +446,73 @@ def test_ride_prices_a_host_block_by_its_first_read():
     np.testing.assert_allclose(hh, np.asarray(a[:, 0]).T * (np.arange(5) >= 1))
     half = P.Anneal(ride=0.5)._host_loads(a)
     np.testing.assert_allclose(np.asarray(half["host_link"][0]).T[0], [1, 0, 1, 0.5, 0])
+
+
+def test_ride_charges_the_displaced_block_where_the_pool_is_full():
+    """With an exclusive cache (demote_cost 1) a first-read promotion in a full pool also
+    demotes a block: one more crossing of the link and one more HBM access."""
+    a = jnp.asarray([[1.0, 0, 1, 1, 0], [0, 1, 1, 0, 1]]).T[:, None, :]  # [W=5, layers=1, N=2]
+    a2 = jnp.concatenate([a, a], axis=1)  # two layers: pool full in layer 0 only
+    pol = P.Anneal(ride=1.0, demote_cost=1.0)
+    h = pol._host_loads(a2, jnp.asarray([True, False]))
+    plain = pol._host_loads(a2)
+    first = np.asarray([[0, 0, 1, 0, 0], [0, 1, 0, 0, 0]], np.float32)  # [N, W]
+    for key in ("host_link", "host_hbm"):
+        got, ref = np.asarray(h[key]), np.asarray(plain[key])
+        np.testing.assert_allclose(got[1], ref[1])  # room in the pool: nothing displaced
+        np.testing.assert_allclose(got[0], ref[0] + first.T)
+    free = P.Anneal(ride=1.0, demote_cost=0.0)._host_loads(a2, jnp.asarray([True, True]))
+    np.testing.assert_allclose(np.asarray(free["host_link"]), np.asarray(plain["host_link"]))
+
+
+def test_now_with_an_exclusive_cache_promotes_what_it_reads_again():
+    """The decode loop's exclusive cache (demote_cost 1): a block read now and at the next
+    steps replaces a resident block nobody reads. Before the displaced block was priced into
+    ride's re-plans, every plan left it on host for the next plan to promote."""
+    n, cap = 6, 2
+    valid = jnp.ones((1, n), bool)
+    in_hbm = jnp.asarray([[True, True, False, False, False, False]])
+    step = jnp.int32(40)
+    # block 0 is read every step (resident), block 1 not since step 5, block 4 every step (on
+    # host): the EMA forecast reads them at 0.9, 0.01 and 0.9
+    last = jnp.asarray([[39, 5, -1, -1, 39, -1]], jnp.int32)
+    obs = P.Observation(
+        in_hbm=in_hbm,
+        valid=valid,
+        last_read=last,
+        read_ema=jnp.asarray([[0.9, 0.01, 0, 0, 0.9, 0]], jnp.float32),
+        mass_ema=jnp.zeros((1, n), jnp.float32),
+        step=step,
+        forecast=jnp.asarray([[[1.0, 0, 0, 0, 1, 0]]]),
+        window_reads=jnp.asarray([[1.0, 0, 0, 0, 1, 0]]),
+        capacity=cap,
+    )
+    slow = HardwareProfile("slow-link", hbm_bandwidth=1e13, link_bandwidth=1e9, hbm_bytes=1e9)
+    pol = P.get_policy(
+        "anneal",
+        **P.modifier_kwargs(("now",)),
+        window=3,
+        demote_cost=1.0,
+        profile=slow,
+        block_bytes=2048.0,
+        fixed_bytes=1e5,
+        config=FAST,
+    )
+    _, target = pol.plan(pol.init(1, n), obs)
+    assert np.asarray(target[0]).tolist() == [True, False, False, False, True, False]
+
+
+def test_split_name_and_modifier_kwargs():
+    assert P.split_name("anneal+reuse+now") == ("anneal", ("reuse", "now"))
+    assert P.split_name("lru") == ("lru", ())
+    kw = P.modifier_kwargs(("reuse", "now"))
+    assert kw["forecast"] == "reuse" and kw["now"] and kw["ride"] == 1.0
+    assert kw["spread"] == P.NOW_SPREAD and not kw["adaptive"] and not kw["compensate"]
+    assert P.modifier_kwargs(("dual",))["dual"] and P.modifier_kwargs(("aw", "ec"))["adaptive"]
+    with pytest.raises(ValueError, match=r"unknown policy 'fifo\+now'; expected one of"):
+        P.split_name("fifo+now")
+    with pytest.raises(ValueError, match=r"\+visits cuts the oracle, for anneal-oracle only"):
+        P.split_name("anneal+visits")
 
 
 def test_bad_link_reserve():
