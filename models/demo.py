@@ -23,7 +23,7 @@ from jaxkv.decode import Decoder, summarize
 from jaxkv.policies import POLICIES, split_name
 from models.default import default_model
 
-DEFAULT_POLICIES = ("static", "lru", "anneal")
+DEFAULT_POLICIES = ("static", "lru", "anneal", "anneal+reuse+now")
 
 
 def _prompt_bytes(n: int) -> np.ndarray:
@@ -192,7 +192,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hbm-fraction", type=float, default=0.25)
     p.add_argument(
         "--policies",
-        default=",".join(p for p in DEFAULT_POLICIES if p in POLICIES),
+        default=",".join(DEFAULT_POLICIES),
         help="comma-separated policy names",
     )
     p.add_argument("--window", type=int, default=16, help="steps between placement plans (W)")
