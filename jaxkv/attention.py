@@ -175,6 +175,7 @@ def tiered_attention(
     *,
     scale=None,
     impl: str = "auto",
+    selected=None,
 ):
     """Decode attention of one layer over both tiers.
 
@@ -187,6 +188,8 @@ def tiered_attention(
       placement: attention mode and sparse-selection parameters.
       scale: logit scale, default 1/sqrt(head_dim).
       impl: "auto" | "xla" | "pallas".
+      selected: [batch, max_blocks] bool, this step's `select_blocks` when the caller has it
+        already (it depends on the logical blocks only, so a migration does not change it).
     Returns:
       out [batch, q_heads, head_dim] f32 and AttentionStats.
     """
@@ -198,7 +201,8 @@ def tiered_attention(
             f"kv_heads={c.kv_heads}, {c.head_dim})"
         )
     impl = resolve_impl(impl, c)
-    selected = select_blocks(q, cache, layer, lengths, placement)
+    if selected is None:
+        selected = select_blocks(q, cache, layer, lengths, placement)
     tier = cache.tier[layer]
     read_hbm = selected & (tier == TIER_HBM)
     read_host = selected & (tier == TIER_HOST)

@@ -347,15 +347,19 @@ class Decoder:
             cache, layer_stats, pstate, migrated = carry
             dt = c.jnp_dtype
             cache = kvc.write_token(cache, layer, k_new.astype(dt), v_new.astype(dt), active)
+            selected = None
             if in_step:  # plan this layer knowing what it is about to read, then read
+                selected = select_blocks(q, cache, layer, attn_len, p)
                 cache, pstate, moved = jax.lax.cond(
                     plan_now,
-                    lambda a: self._plan_layer(*a, layer, q, attn_len, state.stats, state.step),
+                    lambda a: self._plan_layer(*a, layer, selected, state.stats, state.step),
                     lambda a: (*a, jnp.zeros((2,), jnp.int32)),
                     (cache, pstate),
                 )
                 migrated = migrated.at[layer].set(moved)
-            out, st = tiered_attention(q, cache, layer, attn_len, p, scale=scale, impl=self.impl)
+            out, st = tiered_attention(
+                q, cache, layer, attn_len, p, scale=scale, impl=self.impl, selected=selected
+            )
             return out.astype(q.dtype), (cache, layer_stats + (st,), pstate, migrated)
 
         with jax.named_scope("model"):
@@ -464,18 +468,19 @@ class Decoder:
             capacity=c.hbm_pool_slots,
         )
 
-    def _plan_layer(self, cache, pstate, layer: int, q, lengths, stats, step):
+    def _plan_layer(self, cache, pstate, layer: int, selected, stats, step):
         """The in-step plan of one layer (`plans_in_step`): the blocks this layer reads at this
-        step (the same Quest selection `tiered_attention` makes next) are the forecast's row 0;
-        the policy plans this layer alone, and the cache migrates it before the read.
+        step (`selected` [batch, max_blocks], the Quest selection `tiered_attention` then reads)
+        are the forecast's row 0; the policy plans this layer alone, and the cache migrates it
+        before the read.
 
         Returns:
           (cache, policy state, [2] int32 promotions and demotions made)."""
         c, p = self.cache_config, self.placement
         L, N = c.num_layers, c.batch * c.max_blocks
         rows = slice(layer, layer + 1)
-        selected = select_blocks(q, cache, layer, lengths, p).reshape(1, 1, N)
-        obs = self._observation(cache, stats, step, rows, selected.astype(jnp.float32))
+        forecast = selected.reshape(1, 1, N).astype(jnp.float32)
+        obs = self._observation(cache, stats, step, rows, forecast)
         # the policy state's per-block [layers, N] leaves are cut to this layer, the rest shared
         per_block = jax.tree.map(lambda x: x.shape == (L, N), pstate)
         sub = jax.tree.map(lambda x, b: x[rows] if b else x, pstate, per_block)

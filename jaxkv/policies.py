@@ -645,8 +645,10 @@ class Anneal:
         kept = jnp.zeros_like(a0)
         if self.keep_fetched:
             kept = (imp.read_last_step(obs.last_read, obs.step) & ~obs.in_hbm).astype(jnp.float32)
-        full = jnp.sum(obs.valid, axis=-1) > obs.capacity  # [layers]
-        host = self._host_loads(a, full) if self.ride > 0.0 else {}
+        host = {}
+        if self.ride > 0.0:
+            full = jnp.sum(obs.valid, axis=-1) > obs.capacity  # [layers]
+            host = self._host_loads(a, full)
         spread = None
         if self.spread:  # each step's expected time under the forecast's uncertainty
             var = self._link_variance(a, host, fixed_link, ~obs.in_hbm & obs.valid)
