@@ -12,7 +12,7 @@ PYTHON ?= $(shell for c in python3.13 python3.12 python3; do \
 	  [ -x $$p ] && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo $$p; exit; }; \
 	done)
 
-.PHONY: demo test test-slow test-jax-gpu-version lint venv clean
+.PHONY: demo test test-slow test-gpu-compile test-jax-gpu-version lint venv clean
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -33,6 +33,16 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m slow
+
+# Compile the decode loop for an H200 on this (GPU-less) machine and check its structure: no host
+# syncs, no per-block loops, bulk host reads (tests/test_gpu_compile.py, bench/gpu_ops.py --check).
+# Needs the CUDA plugin (the gpu-compile extra, installed here if missing) and /usr/local/cuda.
+GPU_COMPILE_CHECK := --layers 2 --contexts 8k,32k --batches 1 --check
+test-gpu-compile: $(STAMP)
+	@$(PY) -c 'import importlib.util as u, sys; sys.exit(not any(u.find_spec(m) for m in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")))' 2>/dev/null \
+	  || $(PY) -m pip install -q -e '.[gpu-compile]'
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 -m gpu_compile tests/test_gpu_compile.py
+	JAX_PLATFORMS=cpu $(PY) bench/gpu_ops.py $(GPU_COMPILE_CHECK)
 
 # The lent GPU machine runs jax 0.11.2: run the kernel tests (interpreter, race detector,
 # lowering for cuda) under that version on CPU before a GPU session spends its minutes.

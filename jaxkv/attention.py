@@ -2,9 +2,10 @@
 
 Per layer and step: select blocks (all of them in exact mode; in sparse mode the top-k by the
 Quest bound plus sink and recent blocks), attend the selected HBM blocks in place, copy the
-selected host blocks into a fixed-size device staging buffer (per-block dynamic_slice +
-device_put, which XLA can overlap with the HBM part) and attend them, then merge the two partial
-results by log-sum-exp. Placement never changes what is attended, only where it is read from.
+selected host blocks into a fixed-size device staging buffer (one bulk transfer per pool,
+`jaxkv.transfer`, which XLA can overlap with the HBM part) and attend them, then merge the two
+partial results by log-sum-exp. Placement never changes what is attended, only where it is
+read from.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv._pytree import pytree_dataclass
-from jaxkv.cache import TieredKVCache, to_kind
-from jaxkv.config import HBM_KIND, TIER_HBM, TIER_HOST, PlacementConfig
+from jaxkv.cache import TieredKVCache
+from jaxkv.config import TIER_HBM, TIER_HOST, PlacementConfig
+from jaxkv.transfer import read_blocks, rows_of
 from pallas_kernels.blocked_attention import (
     blocked_attention,
     blocked_attention_reference,
@@ -96,41 +98,39 @@ def select_blocks(q, cache: TieredKVCache, layer: int, lengths, placement: Place
     return written & (rank < k[:, None])
 
 
-def fetch_host_blocks(cache: TieredKVCache, layer: int, read_host, num_staging: int):
-    """Copies the selected host blocks of `layer` into a device staging pool.
+def fetch_host_blocks(cache: TieredKVCache, layer, read_host, num_staging: int):
+    """Copies the selected host blocks of `layer` to a device staging pool in one transfer per
+    pool (K and V; `jaxkv.transfer.read_blocks`, the cache's `fetch` mechanism).
 
-    Only the selected blocks are copied (a loop with a dynamic trip count over the compacted
-    selection), each with dynamic_slice on the host array + device_put.
+    The selected blocks are listed in (sequence, logical block) order, by a cumsum, into a
+    fixed-size list of `staging_size` entries; unused entries are marked and (under "pallas")
+    never read.
 
     Args:
+      layer: int or traced int32 scalar.
       read_host: [batch, max_blocks] bool, at most `num_staging` per sequence.
+      num_staging: per-sequence bound on the selected host blocks (`staging_blocks`).
     Returns:
-      staging_k, staging_v: [batch * num_staging, block_size, kv_heads, head_dim] on the device;
+      staging_k, staging_v: [staging_size(...), block_size, kv_heads, head_dim] on the device;
       staging_table: [batch, max_blocks] int32 staging slot of each selected block.
     """
     c = cache.config
-    B, M = c.batch, c.max_blocks
-    rank = jnp.cumsum(read_host, axis=1) - 1
-    staging_table = (jnp.arange(B)[:, None] * num_staging + rank).astype(jnp.int32)
+    n = staging_size(c, num_staging)
     flat = read_host.reshape(-1)
-    order = jnp.argsort(~flat, stable=True).astype(jnp.int32)
-    shape = (B * num_staging, c.block_size, c.kv_heads, c.head_dim)
-    sk = jnp.zeros(shape, c.jnp_dtype)
-    sv = jnp.zeros(shape, c.jnp_dtype)
-    blk = (1, 1, c.block_size, c.kv_heads, c.head_dim)
-
-    def body(i, carry):
-        sk, sv = carry
-        e = order[i]
-        b, j = e // M, e % M
-        src = (layer, cache.slot[layer, b, j], 0, 0, 0)
-        dst = (staging_table[b, j], 0, 0, 0)
-        bk = to_kind(jax.lax.dynamic_slice(cache.host_k, src, blk), HBM_KIND)[0]
-        bv = to_kind(jax.lax.dynamic_slice(cache.host_v, src, blk), HBM_KIND)[0]
-        return jax.lax.dynamic_update_slice(sk, bk, dst), jax.lax.dynamic_update_slice(sv, bv, dst)
-
-    sk, sv = jax.lax.fori_loop(0, jnp.sum(flat), body, (sk, sv))
+    rank = (jnp.cumsum(flat) - 1).astype(jnp.int32)
+    rows = rows_of(layer, cache.slot[layer].reshape(-1), flat, c.host_blocks)
+    listed = jnp.full((n,), -1, jnp.int32).at[jnp.where(flat, rank, n)].set(rows, mode="drop")
+    kind = c.host_memory_kind
+    sk = read_blocks(cache.host_k, listed, c.fetch, pool_kind=kind)
+    sv = read_blocks(cache.host_v, listed, c.fetch, pool_kind=kind)
+    staging_table = jnp.where(read_host, rank.reshape(read_host.shape), 0)
     return sk, sv, staging_table
+
+
+def staging_size(config, num_staging: int) -> int:
+    """Entries of a layer's host staging list: the per-sequence bound times the batch, capped
+    by the host pool (no more blocks can live there)."""
+    return max(1, min(config.batch * num_staging, config.host_blocks))
 
 
 def resolve_impl(impl: str, config) -> str:

@@ -17,12 +17,14 @@ All operations are pure functions returning a new cache and run inside or outsid
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 
 from jaxkv._pytree import pytree_dataclass, replace, static_field
 from jaxkv.config import HBM_KIND, TIER_HBM, TIER_HOST, TIER_NONE, CacheConfig
+from jaxkv.transfer import read_blocks, rows_of, write_blocks
 
 
 def _sharding(kind: str):
@@ -55,6 +57,7 @@ class TieredKVCache:
     def create(config: CacheConfig) -> TieredKVCache:
         """An empty cache: every sequence has length 0 and its tail block allocated in HBM."""
         c = config
+        check_host_pool(c)
         L, B, M = c.num_layers, c.batch, c.max_blocks
         blk = (c.block_size, c.kv_heads, c.head_dim)
         hbm = jnp.zeros((L, c.hbm_blocks, *blk), c.jnp_dtype)
@@ -92,6 +95,42 @@ class TieredKVCache:
     def in_hbm(self) -> jax.Array:
         """[layers, batch, max_blocks] bool: sealed blocks resident in HBM."""
         return self.sealed & (self.tier == TIER_HBM)
+
+
+GPU_HOST_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+GPU_HOST_LIMIT_DEFAULT_GB = 64.0  # XLA's pinned-host allocator on GPUs, unless the variable says
+
+
+def gpu_host_limit_bytes() -> float:
+    """The GPU runtime's pinned-host pool: `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` GiB, else 64."""
+    raw = os.environ.get(GPU_HOST_LIMIT_VAR)
+    try:
+        gb = GPU_HOST_LIMIT_DEFAULT_GB if raw in (None, "") else float(raw)
+    except ValueError:
+        raise ValueError(f"{GPU_HOST_LIMIT_VAR}={raw!r} is not a number of GiB") from None
+    return gb * 2**30
+
+
+def check_host_pool(config: CacheConfig, platform: str | None = None) -> None:
+    """Raises ValueError, before anything is allocated, when the host pools (K and V, every
+    layer) would not fit the GPU's pinned-host pool; does nothing off GPU or for a host tier
+    kept in device memory. `platform` defaults to the platform being traced for."""
+    from jaxkv.transfer import target_platform
+
+    platform = target_platform() if platform is None else platform
+    if platform not in ("gpu", "cuda", "rocm") or config.host_memory_kind != "pinned_host":
+        return
+    need = 2 * config.num_layers * config.host_blocks * config.block_bytes // 2
+    limit = gpu_host_limit_bytes()
+    if need > limit:
+        raise ValueError(
+            f"the cache's host pools need {need / 2**30:.1f} GiB of pinned host memory "
+            f"({config.num_layers} layers x {config.host_blocks} slots x "
+            f"{config.block_bytes} bytes per K+V block), over the GPU runtime's pinned-host "
+            f"limit of {limit / 2**30:.1f} GiB: raise {GPU_HOST_LIMIT_VAR} (e.g. "
+            f"{GPU_HOST_LIMIT_VAR}={int(need / 2**30) + 8}, set before jax starts) or lower "
+            "max_len, batch or host_capacity"
+        )
 
 
 def _check_kv(name: str, x, shape, dtype) -> None:
@@ -233,29 +272,44 @@ def write_token(cache: TieredKVCache, layer: int, k, v, active) -> TieredKVCache
     return replace(cache, hbm_k=hbm_k, hbm_v=hbm_v, kmin=kmin, kmax=kmax)
 
 
-def _copy_block(src_k, src_v, dst_k, dst_v, layer, src_slot, dst_slot, dst_kind):
-    """Copies one block between pools (any tiers) with dynamic_slice + device_put."""
-    start = (layer, src_slot, 0, 0, 0)
-    size = (1, 1, *src_k.shape[2:])
-    bk = to_kind(jax.lax.dynamic_slice(src_k, start, size), dst_kind)
-    bv = to_kind(jax.lax.dynamic_slice(src_v, start, size), dst_kind)
-    at = (layer, dst_slot, 0, 0, 0)
-    return jax.lax.dynamic_update_slice(dst_k, bk, at), jax.lax.dynamic_update_slice(dst_v, bv, at)
+def first_free(free, k: int):
+    """The first `k` free slots of each row, in slot order (vectorized: top_k, no loop).
+
+    Args:
+      free: [rows, slots] bool.
+    Returns:
+      slots [rows, k'] int32 (k' = min(k, slots); entries past a row's count are arbitrary)
+      and counts [rows] int32 of free slots.
+    """
+    S = free.shape[1]
+    k = min(k, S)
+    if k == 0:
+        return jnp.zeros((free.shape[0], 0), jnp.int32), jnp.sum(free, axis=1).astype(jnp.int32)
+    _, idx = jax.lax.top_k(jnp.where(free, -jnp.arange(S)[None], -S - 1), k)
+    return idx.astype(jnp.int32), jnp.sum(free, axis=1).astype(jnp.int32)
 
 
-def _first_free(free_row):
-    """(index of the first free slot, whether there is one) of a [slots] bool row."""
-    return jnp.argmax(free_row).astype(jnp.int32), jnp.any(free_row)
+def _take(table, idx):
+    """table[r, idx[r, i]] for a [rows, n] table and [rows, m] indices (clamped into range;
+    zeros from an empty table)."""
+    if table.shape[1] == 0:
+        return jnp.zeros(idx.shape, table.dtype)
+    return jnp.take_along_axis(table, jnp.clip(idx, 0, table.shape[1] - 1), axis=1)
 
 
-def advance(cache: TieredKVCache, active) -> TieredKVCache:
+def advance(cache: TieredKVCache, active, *, after_reads=None) -> TieredKVCache:
     """Advances lengths of active sequences by one token and seals tails that filled up.
 
-    A sealed tail keeps its HBM slot when another free HBM slot exists for the new tail; otherwise
-    it spills to a host slot and its HBM slot becomes the new tail's.
+    A sealed tail keeps its HBM slot when another free HBM slot exists for the new tail;
+    otherwise it spills to a host slot and its HBM slot becomes the new tail's. Per layer the
+    sealing sequences take the free HBM slots in sequence order; the spills of all layers are
+    written to host in one bulk transfer per pool (`jaxkv.transfer.write_blocks`), every step
+    (entries that do not spill are marked unused), so no loop or branch depends on the data.
 
     Args:
       active: [batch] bool.
+      after_reads: results of the step's reads of the host pools (e.g. the logits), which the
+        in-place spill must follow (`jaxkv.transfer.after`); None if there are none.
     """
     c = cache.config
     L, B, M, bs = c.num_layers, c.batch, c.max_blocks, c.block_size
@@ -263,57 +317,46 @@ def advance(cache: TieredKVCache, active) -> TieredKVCache:
     lengths = cache.lengths + ok.astype(jnp.int32)
     seal = ok & (lengths % bs == 0) & (lengths // bs < M)  # [B]: needs a new tail
     new_j = jnp.minimum(lengths // bs, M - 1)
+    old_j = jnp.maximum(new_j - 1, 0)
+    b = jnp.arange(B)
+    old_slot = cache.slot[:, b, old_j]  # [L, B]: HBM slot of the block being sealed
+    seal_rank = jnp.maximum(jnp.cumsum(seal) - 1, 0)  # [B]
+    hbm_list, n_hbm_free = first_free(cache.hbm_free, B)
+    keep = seal[None] & (seal_rank[None] < n_hbm_free[:, None])  # [L, B]
+    spill = seal[None] & ~keep
+    tail_slot = jnp.where(keep, _take(hbm_list, jnp.broadcast_to(seal_rank, (L, B))), old_slot)
+    host_list, _ = first_free(cache.host_free, B)
+    host_slot = _take(host_list, jnp.maximum(jnp.cumsum(spill, axis=1) - 1, 0))  # [L, B]
 
-    def seal_one(i, cache):
-        layer, b = i // B, i % B
-        j_old = new_j[b] - 1
-        old_slot = cache.slot[layer, b, j_old]
-        free_slot, has_free = _first_free(cache.hbm_free[layer])
-        host_slot, _ = _first_free(cache.host_free[layer])
-
-        def keep(cache):  # sealed block stays; new tail takes a free HBM slot
-            return replace(
-                cache,
-                tier=cache.tier.at[layer, b, new_j[b]].set(TIER_HBM),
-                slot=cache.slot.at[layer, b, new_j[b]].set(free_slot),
-                hbm_free=cache.hbm_free.at[layer, free_slot].set(False),
-            )
-
-        def spill(cache):  # sealed block goes to host; its HBM slot is reused by the new tail
-            host_k, host_v = _copy_block(
-                cache.hbm_k,
-                cache.hbm_v,
-                cache.host_k,
-                cache.host_v,
-                layer,
-                old_slot,
-                host_slot,
-                c.host_memory_kind,
-            )
-            tier = (
-                cache.tier.at[layer, b, j_old].set(TIER_HOST).at[layer, b, new_j[b]].set(TIER_HBM)
-            )
-            slot = (
-                cache.slot.at[layer, b, j_old].set(host_slot).at[layer, b, new_j[b]].set(old_slot)
-            )
-            return replace(
-                cache,
-                host_k=host_k,
-                host_v=host_v,
-                tier=tier,
-                slot=slot,
-                host_free=cache.host_free.at[layer, host_slot].set(False),
-            )
-
-        return jax.lax.cond(has_free, keep, spill, cache)
-
-    # only (layer, sequence) pairs that seal are visited
-    todo = jnp.broadcast_to(seal[None], (L, B)).reshape(-1)
-    order = jnp.argsort(~todo, stable=True).astype(jnp.int32)
-    cache = jax.lax.fori_loop(
-        0, jnp.sum(todo), lambda n, cc: seal_one(order[n], cc), replace(cache, lengths=lengths)
+    lay = jnp.arange(L)[:, None]
+    rows = rows_of(lay, host_slot, spill, c.host_blocks).reshape(-1)
+    kind = c.host_memory_kind
+    blk = (L * B, *cache.hbm_k.shape[2:])
+    spilled_k = cache.hbm_k[lay, old_slot].reshape(blk)
+    spilled_v = cache.hbm_v[lay, old_slot].reshape(blk)
+    host_k = write_blocks(
+        cache.host_k, rows, spilled_k, c.fetch, pool_kind=kind, after_reads=after_reads
     )
-    return cache
+    host_v = write_blocks(
+        cache.host_v, rows, spilled_v, c.fetch, pool_kind=kind, after_reads=after_reads
+    )
+    tier = cache.tier.at[:, b, old_j].set(jnp.where(spill, TIER_HOST, cache.tier[:, b, old_j]))
+    tier = tier.at[:, b, new_j].set(jnp.where(seal[None], TIER_HBM, tier[:, b, new_j]))
+    slot = cache.slot.at[:, b, old_j].set(jnp.where(spill, host_slot, cache.slot[:, b, old_j]))
+    slot = slot.at[:, b, new_j].set(jnp.where(seal[None], tail_slot, slot[:, b, new_j]))
+    S_h, S_x = c.hbm_blocks, c.host_blocks
+    hbm_free = cache.hbm_free.at[lay, jnp.where(keep, tail_slot, S_h)].set(False, mode="drop")
+    host_free = cache.host_free.at[lay, jnp.where(spill, host_slot, S_x)].set(False, mode="drop")
+    return replace(
+        cache,
+        host_k=host_k,
+        host_v=host_v,
+        tier=tier,
+        slot=slot,
+        hbm_free=hbm_free,
+        host_free=host_free,
+        lengths=lengths,
+    )
 
 
 @pytree_dataclass
@@ -364,92 +407,178 @@ def plan_moves(cache: TieredKVCache, target: jax.Array, max_moves: int) -> Moves
     return Moves(demote=demote, promote=promote, num_demote=n_out, num_promote=n_in)
 
 
-def migrate(cache: TieredKVCache, moves: Moves, layers=None) -> tuple[TieredKVCache, jax.Array]:
-    """Applies `moves`: per layer all demotions (HBM -> host), then promotions (host -> HBM).
+def _moves_applying(idx, count, sealed, tier, src_tier):
+    """(clamped indices, [rows, K] bool): entries i < count of flat block indices `idx`
+    [rows, K] that are sealed, in `src_tier` and the first occurrence of their block."""
+    rows, K = idx.shape
+    N = sealed.shape[1]
+    i = jnp.arange(K)[None]
+    safe = jnp.clip(idx, 0, N - 1)
+    ok = (i < count[:, None]) & (idx >= 0) & (idx < N)
+    ok &= _take(sealed, safe) & (_take(tier, safe) == src_tier)
+    r = jnp.arange(rows)[:, None]
+    first = (
+        jnp.full((rows, N), K, jnp.int32)
+        .at[r, jnp.where(ok, safe, N)]
+        .min(jnp.broadcast_to(i, (rows, K)).astype(jnp.int32), mode="drop")
+    )
+    return safe, ok & (_take(first, safe) == i)
 
-    Contents are copied bit for bit; table and free masks are updated. When HBM has no free slot
-    for a promotion it first demotes the resident sealed block of the lowest flat index (use
-    `plan_moves` to control which blocks leave). Entries that no longer apply (a block already in
-    the destination tier, or not sealed) are skipped.
+
+def _compacted(ok, values, fill=0):
+    """Moves the entries of `values` [rows, K] where `ok` to the front (order kept);
+    returns (compacted [rows, K], counts [rows] int32)."""
+    rows, K = ok.shape
+    rank = jnp.cumsum(ok, axis=1) - 1
+    r = jnp.arange(rows)[:, None]
+    out = (
+        jnp.full((rows, K), fill, values.dtype)
+        .at[r, jnp.where(ok, rank, K)]
+        .set(values, mode="drop")
+    )
+    return out, jnp.sum(ok, axis=1).astype(jnp.int32)
+
+
+def _nth(r, first_list, first_count, then_list):
+    """Entry r of the sequence `first_list[:first_count]` followed by `then_list`, per row."""
+    return jnp.where(
+        r < first_count[:, None], _take(first_list, r), _take(then_list, r - first_count[:, None])
+    )
+
+
+def migrate(
+    cache: TieredKVCache, moves: Moves, layers=None, *, after_reads=None
+) -> tuple[TieredKVCache, jax.Array]:
+    """Applies `moves`: per layer its demotions (HBM -> host), then its promotions
+    (host -> HBM), all of them in one bulk read and one bulk write per pool and direction.
+
+    Contents are copied bit for bit; table and free masks are updated. Entries that do not
+    apply (past the count, a block not sealed, already in the destination tier, or listed
+    twice) are skipped. Every read happens before any write, so a promotion may take the HBM
+    slot a demotion frees and a demotion the host slot a promotion frees. Demotions beyond the
+    host pool's room are dropped. When HBM has too few free slots for the promotions, the
+    resident sealed blocks of the lowest flat index that are not being demoted make room
+    (use `plan_moves` to control which blocks leave); a block promoted here is never evicted
+    here.
 
     Args:
       layers: python ints, the layers whose moves to apply (default: all); the others' moves
         are not traced at all (the decode loop's in-step plans move one layer at a time).
+      after_reads: results of the caller's earlier reads of the host pools (e.g. the
+        attention outputs of the layers already read this step), which the in-place host
+        writes must follow (`jaxkv.transfer.after`); None if there are none.
     Returns:
       (new cache, [layers] int32 number of blocks actually moved; 0 outside `layers`).
     """
     c = cache.config
-    L, M = c.num_layers, c.max_blocks
-    N = c.batch * M
-    sealed = cache.sealed.reshape(L, N)
-
-    def move_one(layer, n, carry, to_hbm: bool):
-        """Moves flat block n of `layer` to the other tier (skipped if it does not apply)."""
-        cache, count = carry
-        b, j = n // M, n % M
-        src_tier, dst_tier = (TIER_HOST, TIER_HBM) if to_hbm else (TIER_HBM, TIER_HOST)
-        applies = sealed[layer, n] & (cache.tier[layer, b, j] == src_tier)
-        if to_hbm:  # no room: swap out the first resident sealed block
-            resident = (cache.tier[layer] == TIER_HBM).reshape(-1) & sealed[layer]
-            victim = jnp.argmax(resident).astype(jnp.int32)
-            need_swap = applies & ~jnp.any(cache.hbm_free[layer]) & jnp.any(resident)
-            cache, count = jax.lax.cond(
-                need_swap,
-                lambda cc: move_one(layer, victim, cc, False),
-                lambda cc: cc,
-                (cache, count),
-            )
-        src = cache.slot[layer, b, j]
-        dst, has_room = _first_free((cache.hbm_free if to_hbm else cache.host_free)[layer])
-
-        def do(cache):
-            hbm, host = (cache.hbm_k, cache.hbm_v), (cache.host_k, cache.host_v)
-            src_pool, dst_pool = (host, hbm) if to_hbm else (hbm, host)
-            kind = HBM_KIND if to_hbm else c.host_memory_kind
-            nk, nv = _copy_block(*src_pool, *dst_pool, layer, src, dst, kind)
-            hbm_slot, host_slot = (dst, src) if to_hbm else (src, dst)
-            pools = dict(hbm_k=nk, hbm_v=nv) if to_hbm else dict(host_k=nk, host_v=nv)
-            return replace(
-                cache,
-                **pools,
-                tier=cache.tier.at[layer, b, j].set(dst_tier),
-                slot=cache.slot.at[layer, b, j].set(dst),
-                hbm_free=cache.hbm_free.at[layer, hbm_slot].set(not to_hbm),
-                host_free=cache.host_free.at[layer, host_slot].set(to_hbm),
-            )
-
-        go = applies & has_room
-        return jax.lax.cond(go, do, lambda cc: cc, cache), count + go
-
-    chosen = range(L) if layers is None else tuple(layers)
-    bad = [x for x in chosen if not 0 <= x < L]
+    L, B, M = c.num_layers, c.batch, c.max_blocks
+    N = B * M
+    chosen = tuple(range(L)) if layers is None else tuple(layers)
+    bad = [x for x in chosen if not (isinstance(x, int) and 0 <= x < L)]
     if bad:
         raise ValueError(f"migrate layers {bad} out of range: expected ints in [0, {L})")
-    counts = [jnp.int32(0)] * L
-    for layer in chosen:  # layers are few and static; moves per layer are dynamic
-        carry = (cache, jnp.int32(0))
-        carry = jax.lax.fori_loop(
-            0,
-            moves.num_demote[layer],
-            lambda i, cc, layer=layer: move_one(layer, moves.demote[layer, i], cc, False),
-            carry,
-        )
-        carry = jax.lax.fori_loop(
-            0,
-            moves.num_promote[layer],
-            lambda i, cc, layer=layer: move_one(layer, moves.promote[layer, i], cc, True),
-            carry,
-        )
-        cache, counts[layer] = carry
-    return cache, jnp.stack(counts).astype(jnp.int32)
+    if not chosen:
+        raise ValueError("migrate layers=() names no layer: pass None for all layers")
+    if moves.demote.shape[1] + moves.promote.shape[1] == 0:  # a zero migration budget
+        return cache, jnp.zeros((L,), jnp.int32)
+    ls = jnp.asarray(chosen, jnp.int32)
+    lay = ls[:, None]
+    nl = len(chosen)
+    tier = cache.tier[ls].reshape(nl, N)
+    slot = cache.slot[ls].reshape(nl, N)
+    sealed = cache.sealed[ls].reshape(nl, N)
+    hbm_free, host_free = cache.hbm_free[ls], cache.host_free[ls]
+
+    d_blk, d_ok = _moves_applying(moves.demote[ls], moves.num_demote[ls], sealed, tier, TIER_HBM)
+    p_blk, p_ok = _moves_applying(moves.promote[ls], moves.num_promote[ls], sealed, tier, TIER_HOST)
+    d_blk, n_d = _compacted(d_ok, d_blk)
+    p_blk, n_p = _compacted(p_ok, p_blk)
+    Kd, Kp = d_blk.shape[1], p_blk.shape[1]
+    host_list, n_host_free = first_free(host_free, Kd + Kp)
+    hbm_list, n_hbm_free = first_free(hbm_free, Kp)
+    n_d = jnp.minimum(n_d, n_host_free + n_p)  # host room: free slots and those promotions free
+    # victims: resident sealed blocks not being demoted, lowest flat index first
+    demoted = (
+        jnp.zeros((nl, N), bool)
+        .at[jnp.arange(nl)[:, None], jnp.where(jnp.arange(Kd)[None] < n_d[:, None], d_blk, N)]
+        .set(True, mode="drop")
+    )
+    resident = sealed & (tier == TIER_HBM) & ~demoted
+    v_blk, n_res = first_free(resident, Kp)
+    n_v = jnp.clip(n_p - n_hbm_free - n_d, 0, n_res)
+    n_p = jnp.minimum(n_p, n_hbm_free + n_d + n_v)
+
+    # slots: HBM -> host writes (demotions, then victims) take the free host slots, then those
+    # the promotions vacate; promotions take the free HBM slots, then those vacated
+    d_src = _take(slot, d_blk)  # [nl, Kd] HBM slots
+    v_src = _take(slot, v_blk)  # [nl, Kp]
+    p_src = _take(slot, p_blk)  # [nl, Kp] host slots
+    out_blk = jnp.concatenate([d_blk, v_blk], axis=1)  # [nl, Kd + Kp]
+    out_src = jnp.concatenate([d_src, v_src], axis=1)
+    j = jnp.arange(Kd + Kp)[None]
+    out_ok = jnp.where(j < Kd, j < n_d[:, None], j - Kd < n_v[:, None])
+    out_rank = jnp.where(j < Kd, j, n_d[:, None] + j - Kd)
+    out_dst = _nth(out_rank, host_list, n_host_free, p_src)
+    vacated = _compacted(out_ok, out_src)[0]  # HBM slots of demotions then victims
+    r = jnp.arange(Kp)[None]
+    p_ok = r < n_p[:, None]
+    p_dst = _nth(r, hbm_list, n_hbm_free, vacated)
+
+    # data: every read first (host -> device, HBM -> device), then the writes
+    kind = c.host_memory_kind
+    p_rows = rows_of(lay, p_src, p_ok, c.host_blocks).reshape(-1)
+    pk = read_blocks(cache.host_k, p_rows, c.fetch, pool_kind=kind)
+    pv = read_blocks(cache.host_v, p_rows, c.fetch, pool_kind=kind)
+    blk = cache.hbm_k.shape[2:]
+    ok_k = cache.hbm_k[lay, out_src].reshape(-1, *blk)
+    ok_v = cache.hbm_v[lay, out_src].reshape(-1, *blk)
+    reads = (pk, pv, after_reads)
+    o_rows = rows_of(lay, out_dst, out_ok, c.host_blocks).reshape(-1)
+    host_k = write_blocks(cache.host_k, o_rows, ok_k, c.fetch, pool_kind=kind, after_reads=reads)
+    host_v = write_blocks(cache.host_v, o_rows, ok_v, c.fetch, pool_kind=kind, after_reads=reads)
+    hbm_k, hbm_v = cache.hbm_k, cache.hbm_v
+    S_h, S_x = c.hbm_blocks, c.host_blocks
+    p_at = jnp.where(p_ok, p_dst, S_h)
+    hbm_k = hbm_k.at[lay, p_at].set(pk.reshape(nl, Kp, *blk), mode="drop")
+    hbm_v = hbm_v.at[lay, p_at].set(pv.reshape(nl, Kp, *blk), mode="drop")
+
+    # tables
+    rr = jnp.arange(nl)[:, None]
+    blocks = jnp.concatenate([jnp.where(out_ok, out_blk, N), jnp.where(p_ok, p_blk, N)], axis=1)
+    new_tier = jnp.concatenate(
+        [jnp.full(out_blk.shape, TIER_HOST), jnp.full(p_blk.shape, TIER_HBM)], axis=1
+    )
+    new_slot = jnp.concatenate([out_dst, p_dst], axis=1)
+    tier = tier.at[rr, blocks].set(new_tier.astype(jnp.int32), mode="drop")
+    slot = slot.at[rr, blocks].set(new_slot.astype(jnp.int32), mode="drop")
+    hbm_free = hbm_free.at[rr, jnp.where(out_ok, out_src, S_h)].set(True, mode="drop")
+    hbm_free = hbm_free.at[rr, p_at].set(False, mode="drop")
+    host_free = host_free.at[rr, jnp.where(p_ok, p_src, S_x)].set(True, mode="drop")
+    host_free = host_free.at[rr, jnp.where(out_ok, out_dst, S_x)].set(False, mode="drop")
+    moved = n_d + n_v + n_p
+    cache = replace(
+        cache,
+        hbm_k=hbm_k,
+        hbm_v=hbm_v,
+        host_k=host_k,
+        host_v=host_v,
+        tier=cache.tier.at[ls].set(tier.reshape(nl, B, M)),
+        slot=cache.slot.at[ls].set(slot.reshape(nl, B, M)),
+        hbm_free=cache.hbm_free.at[ls].set(hbm_free),
+        host_free=cache.host_free.at[ls].set(host_free),
+    )
+    return cache, jnp.zeros((L,), jnp.int32).at[ls].set(moved)
 
 
 @functools.partial(jax.jit, static_argnames=("impl",))
 def compact(cache: TieredKVCache, impl: str = "xla") -> TieredKVCache:
     """Renumbers occupied HBM slots into a dense prefix (stable order), per layer.
 
-    Blocks move in place (`pallas_kernels.compaction`: the Mosaic GPU kernel for impl="pallas",
-    its pure-jnp reference for "xla"); only slots that change are written. Jitted without
+    Blocks move in place: for impl="pallas" with the Mosaic GPU kernel
+    (`pallas_kernels.compaction`, one launch per pool), for "xla" as one bulk gather and one
+    scatter per pool (exact for this move list: every destination was free or already
+    vacated, and no destination is a later source, so reading all sources first changes
+    nothing); only slots that change are written. Jitted without
     donation, so an eager call leaves its input intact; inside a jitted step whose state is
     donated (the decode loop) the pool is updated in place.
 
@@ -459,15 +588,21 @@ def compact(cache: TieredKVCache, impl: str = "xla") -> TieredKVCache:
       A cache with identical logical contents whose HBM pool holds its blocks in slots
       [0, occupied) and whose free slots form the suffix.
     """
-    from pallas_kernels.compaction import compaction, compaction_moves, compaction_reference
+    from pallas_kernels.compaction import compaction, compaction_moves
 
     if impl not in ("auto", "xla", "pallas"):
         raise ValueError(f"unknown compaction impl {impl!r}; expected 'auto', 'xla' or 'pallas'")
-    move = compaction if impl == "pallas" else compaction_reference
     used = ~cache.hbm_free  # [L, S]
     src, dst, num_moves, new_of_old = compaction_moves(used)
-    hbm_k = move(cache.hbm_k, src, dst, num_moves)
-    hbm_v = move(cache.hbm_v, src, dst, num_moves)
+    if impl == "pallas":
+        hbm_k = compaction(cache.hbm_k, src, dst, num_moves)
+        hbm_v = compaction(cache.hbm_v, src, dst, num_moves)
+    else:
+        S = cache.config.hbm_blocks
+        lay = jnp.arange(cache.config.num_layers)[:, None]
+        at = jnp.where(jnp.arange(src.shape[1])[None] < num_moves[:, None], dst, S)  # -> dropped
+        hbm_k = cache.hbm_k.at[lay, at].set(cache.hbm_k[lay, src], mode="drop")
+        hbm_v = cache.hbm_v.at[lay, at].set(cache.hbm_v[lay, src], mode="drop")
     in_hbm = cache.tier == TIER_HBM
     renum = jnp.take_along_axis(new_of_old, cache.slot.reshape(cache.config.num_layers, -1), 1)
     slot = jnp.where(in_hbm, renum.reshape(cache.slot.shape), cache.slot)

@@ -24,6 +24,7 @@ HBM_KIND = "device"
 HOST_KIND = "pinned_host"
 HOST_KINDS = ("pinned_host", "unpinned_host", "device")
 
+FETCH_OPTIONS = ("auto", "xla", "pallas")  # jaxkv.transfer's mechanisms
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -52,6 +53,9 @@ class CacheConfig:
         "unpinned_host", or "device" (the host tier emulated in device memory: same code path and
         metrics, no host memory; used where a tool cannot handle host operands, e.g. Pallas
         interpret mode inside a jit with pinned_host arguments fails to lower in jax 0.12.0.1).
+      fetch: how blocks cross between the tiers (host reads, promotions, demotions, spills):
+        "auto", "xla" or "pallas" (`jaxkv.transfer`); every one moves a layer's blocks in one
+        operation per pool, never block by block.
     """
 
     num_layers: int
@@ -64,8 +68,11 @@ class CacheConfig:
     host_capacity: int | float | None = None
     dtype: str = "float32"
     host_memory_kind: str = HOST_KIND
+    fetch: str = "auto"
 
     def __post_init__(self):
+        if self.fetch not in FETCH_OPTIONS:
+            raise ValueError(f"fetch must be one of {FETCH_OPTIONS}, got {self.fetch!r}")
         if self.host_memory_kind not in HOST_KINDS:
             raise ValueError(
                 f"host_memory_kind must be one of {HOST_KINDS}, got {self.host_memory_kind!r}"

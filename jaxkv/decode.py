@@ -16,6 +16,7 @@ HardwareProfile (PAPER.md's max of the two tiers), blocks migrated, HBM hit rate
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -186,7 +187,16 @@ class Decoder:
         # `now` policies plan each layer inside the step, between its block selection and read
         self.plans_in_step = bool(getattr(self.policy, "now", False))
         self._prefill = jax.jit(self._prefill_impl)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        # The decode step and the step that ends a window are compiled apart, so that neither
+        # branches on the data (a GPU conditional syncs the host): `decode_step` has no plan,
+        # no migration and no host sync; `window_step` adds the plan and its migrations.
+        self.decode_step = jax.jit(
+            functools.partial(self._step_impl, plan=False), donate_argnums=(1,)
+        )
+        self.window_step = jax.jit(
+            functools.partial(self._step_impl, plan=True), donate_argnums=(1,)
+        )
+        self._step = jax.jit(self._either_step, donate_argnums=(1,))
         self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
 
     def _make_policy(self, overrides: dict):
@@ -269,7 +279,8 @@ class Decoder:
         )
 
     def step(self, params, state: DecodeState) -> DecodeState:
-        """One decode step for every unfinished sequence (the state is donated)."""
+        """One decode step for every unfinished sequence (the state is donated): `window_step`
+        when the step ends a window, else `decode_step`, chosen on the device."""
         return self._step(params, state)
 
     def generate(self, params, state: DecodeState, until: int | None = None) -> DecodeState:
@@ -332,7 +343,18 @@ class Decoder:
         c = self.cache_config
         return ~state.done & (state.cache.lengths < c.max_len)
 
-    def _step_impl(self, params, state: DecodeState) -> DecodeState:
+    def _either_step(self, params, state: DecodeState) -> DecodeState:
+        """`window_step` when this step ends the window, else `decode_step` (one branch)."""
+        return jax.lax.cond(
+            state.since_plan + 1 >= state.window,
+            lambda s: self._step_impl(params, s, plan=True),
+            lambda s: self._step_impl(params, s, plan=False),
+            state,
+        )
+
+    def _step_impl(self, params, state: DecodeState, *, plan: bool) -> DecodeState:
+        """One decode step; with `plan` (a python bool) it also ends the window: the policy
+        plans (per layer inside the step for a `now` policy, else after it) and migrates."""
         c, p = self.cache_config, self.placement
         model = nnx.merge(self.graphdef, params)
         active = self._active(state)
@@ -341,20 +363,17 @@ class Decoder:
 
         L, N = c.num_layers, c.batch * c.max_blocks
         in_step = self.plans_in_step
-        plan_now = state.since_plan + 1 >= state.window  # this step ends the window
 
         def attend(layer, q, k_new, v_new, carry):
             cache, layer_stats, pstate, migrated = carry
             dt = c.jnp_dtype
             cache = kvc.write_token(cache, layer, k_new.astype(dt), v_new.astype(dt), active)
             selected = None
-            if in_step:  # plan this layer knowing what it is about to read, then read
+            if in_step and plan:  # plan this layer knowing what it is about to read, then read
                 selected = select_blocks(q, cache, layer, attn_len, p)
-                cache, pstate, moved = jax.lax.cond(
-                    plan_now,
-                    lambda a: self._plan_layer(*a, layer, selected, state.stats, state.step),
-                    lambda a: (*a, jnp.zeros((2,), jnp.int32)),
-                    (cache, pstate),
+                # q depends on every earlier layer's reads: the host writes follow them
+                cache, pstate, moved = self._plan_layer(
+                    cache, pstate, layer, selected, state.stats, state.step, q
                 )
                 migrated = migrated.at[layer].set(moved)
             out, st = tiered_attention(
@@ -367,7 +386,7 @@ class Decoder:
             logits, (cache, layer_stats, policy_state, migrated) = model.decode_step(
                 state.last, state.cache.lengths, attend, carry
             )
-        cache = kvc.advance(cache, active)
+        cache = kvc.advance(cache, active, after_reads=logits)
         key, sub = jax.random.split(state.key)
         nxt = self.sampler(logits, sub)
         nxt = jnp.where(active, nxt, state.last)
@@ -382,9 +401,8 @@ class Decoder:
         mass = jnp.stack([s.mass for s in layer_stats])
         read = read_hbm | read_host
         stats = state.stats
-        if in_step:  # the plan saw the reads since the last plan: count afresh from this step
-            wr = jnp.where(plan_now, 0.0, stats.window_reads)
-            stats = replace(stats, window_reads=wr)
+        if in_step and plan:  # the plan saw the reads since the last plan: count afresh
+            stats = replace(stats, window_reads=jnp.zeros_like(stats.window_reads))
         stats = imp.update_stats(
             stats,
             read.reshape(L, N),
@@ -423,12 +441,10 @@ class Decoder:
             policy_state=policy_state,
             metrics=metrics,
         )
-        state, moved = jax.lax.cond(
-            state.since_plan >= state.window,
-            self._window,
-            lambda s: (s, jnp.zeros((L,), jnp.int32)),
-            state,
-        )
+        if plan:
+            state, moved = self._window(state)
+        else:
+            moved = jnp.zeros((L,), jnp.int32)
         # migrations load both sides of the step they are made in, as in the simulator and
         # PAPER.md: each block crosses the link once and is written to or read from HBM once
         mig_b = (migrated.sum(axis=1) + moved).astype(jnp.float32) * bb  # [L]
@@ -468,7 +484,7 @@ class Decoder:
             capacity=c.hbm_pool_slots,
         )
 
-    def _plan_layer(self, cache, pstate, layer: int, selected, stats, step):
+    def _plan_layer(self, cache, pstate, layer: int, selected, stats, step, after_reads=None):
         """The in-step plan of one layer (`plans_in_step`): the blocks this layer reads at this
         step (`selected` [batch, max_blocks], the Quest selection `tiered_attention` then reads)
         are the forecast's row 0; the policy plans this layer alone, and the cache migrates it
@@ -488,7 +504,7 @@ class Decoder:
         pstate = jax.tree.map(lambda x, y, b: x.at[rows].set(y) if b else y, pstate, sub, per_block)
         before = cache.in_hbm.reshape(L, N)
         moves = kvc.plan_moves(cache, before.at[layer].set(target[0]), p.max_moves)
-        cache, _ = kvc.migrate(cache, moves, layers=(layer,))
+        cache, _ = kvc.migrate(cache, moves, layers=(layer,), after_reads=after_reads)
         was, now = before[layer], cache.in_hbm.reshape(L, N)[layer]
         moved = jnp.stack([jnp.sum(now & ~was), jnp.sum(was & ~now)]).astype(jnp.int32)
         return cache, pstate, moved
@@ -547,7 +563,7 @@ class Decoder:
             full = jnp.any(~s.done & (s.cache.lengths >= c.max_len))
             return (s.step < until) & ~jnp.all(s.done) & ~full
 
-        return jax.lax.while_loop(cond, lambda s: self._step_impl(params, s), state)
+        return jax.lax.while_loop(cond, lambda s: self._either_step(params, s), state)
 
 
 def summarize(state: DecodeState) -> dict:

@@ -1,0 +1,343 @@
+"""GPU operations per decode step, compiled for an H200 on a machine without a GPU.
+
+Builds a Llama-3.1-8B-shaped model (32 layers, dim 4096, 32 q / 8 kv heads, head_dim 128,
+ffn 14336, vocab 128256, bf16) and its decode state abstractly (nothing is allocated at full
+size: `nnx.eval_shape`, `jax.eval_shape`, host pools as pinned_host ShapeDtypeStructs), compiles
+the decode loop's jitted step for every (context, batch, attention mode, policy) case, plus
+`plan_moves` + `migrate`, `compact` and (with --prefill) the prefill of a cache of that shape,
+and prints what the optimized HLO executes per call (`jaxkv.gpu_compile.analyze`).
+
+    JAX_PLATFORMS=cpu python bench/gpu_ops.py --layers 2 --contexts 8k --batches 1
+    JAX_PLATFORMS=cpu python bench/gpu_ops.py --json --check ...   # exit 1 if a must-hold fails
+
+The must-hold checks (--check): 0 host_syncs, 0 unknown_trip_loops, gpu_ops of a (batch, mode,
+policy, function) within OPS_BAND at every context (XLA's size-dependent kernel choices, not
+per-block work; see `ops_context_free`), and host KV traffic of at most 2 transfers per layer
+per call in each direction (K and V). Needs `pip install -e .[gpu-compile]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin registers only on cpu
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxkv import cache as kvc  # noqa: E402
+from jaxkv import gpu_compile as gc  # noqa: E402
+from jaxkv.config import CacheConfig, PlacementConfig  # noqa: E402
+from jaxkv.decode import Decoder  # noqa: E402
+
+POLICIES = ("static", "lru", "anneal", "anneal+reuse+now")
+MODES = ("exact", "sparse")
+NEW_TOKENS = 64  # max_len = context + NEW_TOKENS
+PER_POLICY = ("step", "window_step")  # functions that depend on the mode and policy
+READ_SCOPE = "host_part"  # jax.named_scope of the attention's host read (jaxkv.attention)
+FIELDS = ("gpu_ops", "h2d", "d2h", "host_kernels", "unknown_trip_loops", "host_syncs")
+TABLE = (
+    "fn",
+    "context",
+    "batch",
+    "mode",
+    "policy",
+    "gpu_ops",
+    "h2d",
+    "d2h",
+    "host_reads",
+    "unknown_trip_loops",
+    "host_syncs",
+    "compile_s",
+)
+
+LLAMA_8B = dict(
+    vocab_size=128256,
+    dim=4096,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    ffn_dim=14336,
+    dtype="bfloat16",
+    rope_theta=500000.0,
+)
+SMALL = dict(  # the tests' small shape
+    vocab_size=512,
+    dim=128,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    ffn_dim=256,
+    dtype="bfloat16",
+)
+
+
+def parse_tokens(text: str) -> int:
+    """'8k' -> 8192, '1024' -> 1024."""
+    t = text.strip().lower()
+    try:
+        return int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+    except ValueError as e:
+        raise ValueError(f"bad context {text!r}: expected an int or '<n>k'") from e
+
+
+def abstract_model(layers: int, shape: dict, max_len: int):
+    """A Llama of `shape` with `layers` layers whose parameters are ShapeDtypeStructs."""
+    from models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(num_layers=layers, max_seq_len=max(max_len, 2048), **shape)
+    return nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+
+
+def _is_host_pool(path, _leaf) -> bool:
+    names = [getattr(k, "name", None) for k in path]
+    return "host_k" in names or "host_v" in names
+
+
+def build(
+    *,
+    layers: int,
+    context: int,
+    batch: int,
+    mode: str,
+    policy: str,
+    shape: dict = LLAMA_8B,
+    hbm: float = 0.25,
+    topk: float = 0.25,
+    window: int = 50,
+    new_tokens: int = NEW_TOKENS,
+):
+    """(decoder, abstract params, abstract decode state after a `context`-token prefill).
+
+    The state comes from `jax.eval_shape` of the decoder's prefill; its leaves are re-made as
+    CPU-sharded ShapeDtypeStructs, the cache's host_k / host_v as pinned_host (compiled S(5))."""
+    max_len = context + new_tokens
+    model = abstract_model(layers, shape, max_len)
+    mc = model.config
+    cache_cfg = CacheConfig(
+        num_layers=layers,
+        kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        batch=batch,
+        max_len=max_len,
+        block_size=16,
+        hbm_capacity=hbm,
+        dtype="bfloat16",
+    )
+    placement = PlacementConfig(policy=policy, attention=mode, topk=topk, window=window)
+    dec = Decoder(model, cache_cfg, placement, max_new_tokens=new_tokens, profile="h200-pcie")
+    params = gc.abstract(nnx.split(model)[1], host=lambda p, x: False)
+    prompts = jax.ShapeDtypeStruct((batch, context), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    key = jax.random.key(0)
+    state = jax.eval_shape(dec._prefill_impl, params, prompts, lengths, key)
+    state = gc.abstract(state, host=_is_host_pool)
+    return dec, params, state, (prompts, lengths, key)
+
+
+def compile_cases(layers, context, batch, mode, policy, *, shape, target, what, hbm=0.25):
+    """Compiles the functions in `what` ("step", "window_step", "migrate", "compact",
+    "prefill") for one case.
+
+    Returns {function: (CompiledModule, analysis)}."""
+    dec, params, state, (prompts, lengths, key) = build(
+        layers=layers, context=context, batch=batch, mode=mode, policy=policy, shape=shape, hbm=hbm
+    )
+    c = dec.cache_config
+    out = {}
+    for fn in what:
+        if fn == "step":  # the decode step: no plan, no migration
+            m = gc.compile_for_gpu(dec.decode_step, params, state, target=target, name="step")
+        elif fn == "window_step":  # the step that ends a window: plan, migrate (, compact)
+            m = gc.compile_for_gpu(
+                dec.window_step, params, state, target=target, name="window_step"
+            )
+        elif fn == "migrate":
+            target_shape = jax.ShapeDtypeStruct((c.num_layers, c.batch * c.max_blocks), bool)
+            max_moves = dec.placement.max_moves
+
+            def migrate(cache, target_in_hbm, max_moves=max_moves):
+                return kvc.migrate(cache, kvc.plan_moves(cache, target_in_hbm, max_moves))
+
+            m = gc.compile_for_gpu(
+                migrate,
+                state.cache,
+                target_shape,
+                donate_argnums=(0,),
+                target=target,
+                name="migrate",
+            )
+        elif fn == "compact":
+            m = gc.compile_for_gpu(
+                lambda cache: kvc.compact(cache, impl="xla"),
+                state.cache,
+                donate_argnums=(0,),
+                target=target,
+                name="compact",
+            )
+        elif fn == "prefill":
+            m = gc.compile_for_gpu(
+                dec._prefill_impl, params, prompts, lengths, key, target=target, name="prefill"
+            )
+        else:
+            raise ValueError(f"unknown function {fn!r}: expected step, migrate, compact, prefill")
+        out[fn] = (m, m.analyze(scope=READ_SCOPE))
+    return out
+
+
+def transfer_failures(row: dict, layers: int) -> list[str]:
+    """Host traffic must-holds of one case row: the step's host KV reads (transfers inside the
+    READ_SCOPE named scope) and migrate's transfers in each direction at most 2 per layer (one
+    bulk transfer per layer for K and one for V); compact touches no host memory."""
+    limit, fn, out = 2 * layers, row["fn"], []
+    if fn == "step":
+        if row["host_reads"] > limit:
+            out.append(f"{row['host_reads']} host KV reads > 2 per layer ({limit})")
+    elif fn == "migrate":
+        out += [f"{row[d]} {d} > 2 per layer ({limit})" for d in ("h2d", "d2h") if row[d] > limit]
+    elif fn == "compact" and row["h2d"] + row["d2h"]:
+        out.append(f"{row['h2d']} h2d + {row['d2h']} d2h: compact should not touch host memory")
+    return out
+
+
+def check(cases: list[dict], layers: int) -> list[str]:
+    """The must-hold failures of a list of case rows (see the module docstring)."""
+    fails = []
+    groups: dict[tuple, dict[int, int]] = {}
+    for r in cases:
+        if r["fn"] == "window_step":
+            continue
+        tag = f"{r['fn']} ctx={r['context']} B={r['batch']} {r['mode']} {r['policy']}"
+        if r["host_syncs"]:
+            fails.append(f"{tag}: {r['host_syncs']} host syncs (expected 0)")
+        if r["unknown_trip_loops"]:
+            fails.append(f"{tag}: {r['unknown_trip_loops']} unknown-trip loops (expected 0)")
+        fails += [f"{tag}: {m}" for m in transfer_failures(r, layers)]
+        key = (r["fn"], r["batch"], r["mode"], r["policy"])
+        groups.setdefault(key, {})[r["context"]] = r["gpu_ops"]
+    for key, by_ctx in groups.items():
+        if not ops_context_free(by_ctx):
+            fails.append(
+                f"{' '.join(map(str, key))}: gpu_ops grow with context {by_ctx} (more than "
+                f"{OPS_BAND:.0%} apart: per-block work in the program?)"
+            )
+    return fails
+
+
+# XLA's GPU codegen picks kernels by size (a long reduction becomes two kernels, a large
+# gather is not fused into its consumer), so the same program executes a few more operations
+# at a longer context. A per-block loop would multiply them instead (8k -> 128k tokens is 16x
+# the blocks), so the check allows this band around the smallest count and no more.
+OPS_BAND = 0.15
+
+
+def ops_context_free(by_context: dict[int, int]) -> bool:
+    """True when the gpu_ops of one function at several contexts lie within OPS_BAND."""
+    lo, hi = min(by_context.values()), max(by_context.values())
+    return hi <= lo * (1 + OPS_BAND)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default="8k,32k,128k", help="comma list, e.g. 8k,32k,131072")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--layers", type=int, default=32, help="model layers (fewer: quicker)")
+    ap.add_argument("--small", action="store_true", help="the tests' small model dims")
+    ap.add_argument(
+        "--functions",
+        default="step,window_step,migrate,compact",
+        help="comma list of step, window_step, migrate, compact, prefill (window_step is "
+        "reported, not checked: an annealing plan loops until it converges)",
+    )
+    ap.add_argument("--target", default="h200", help=f"GPU spec: {gc.available_specs()}")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="2 layers, contexts 8k,32k, batch 1 (overrides those options)",
+    )
+    ap.add_argument("--json", action="store_true", help='print {"cases": [...]} as JSON')
+    ap.add_argument("--check", action="store_true", help="exit 1 if a must-hold check fails")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.layers, args.contexts, args.batches = 2, "8k,32k", "1"
+    contexts = [parse_tokens(x) for x in args.contexts.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    modes = args.modes.split(",")
+    policies = args.policies.split(",")
+    functions = args.functions.split(",")
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"unknown mode {m!r}: expected one of {MODES}")
+    shape = SMALL if args.small else LLAMA_8B
+    from tqdm import tqdm
+
+    # step depends on (mode, policy); migrate, compact, prefill only on the cache's shape
+    jobs = []
+    for ctx in contexts:
+        for b in batches:
+            per_shape = [f for f in functions if f not in PER_POLICY]
+            if per_shape:
+                jobs.append((ctx, b, modes[0], policies[0], per_shape, True))
+            per_policy = [f for f in functions if f in PER_POLICY]
+            if per_policy:
+                jobs += [(ctx, b, m, p, per_policy, False) for m in modes for p in policies]
+    rows = []
+    t_all = time.perf_counter()
+    for ctx, b, mode, pol, what, shape_only in tqdm(jobs, file=sys.stderr, desc="compiling"):
+        res = compile_cases(
+            args.layers, ctx, b, mode, pol, shape=shape, target=args.target, what=what
+        )
+        for fn, (mod, a) in res.items():
+            rows.append(
+                dict(
+                    fn=fn,
+                    context=ctx,
+                    batch=b,
+                    mode="-" if shape_only else mode,
+                    policy="-" if shape_only else pol,
+                    layers=args.layers,
+                    **{f: a[f] for f in FIELDS},
+                    host_reads=a["scope_h2d"],
+                    host_compute=a["host_compute"],
+                    conditionals=a["conditionals"],
+                    transfers=dict(a["transfers"]),
+                    lower_s=round(mod.lower_seconds, 2),
+                    compile_s=round(mod.compile_seconds, 2),
+                )
+            )
+    fails = check(rows, args.layers) if args.check else []
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "cases": rows,
+                    "failures": fails,
+                    "seconds": round(time.perf_counter() - t_all, 1),
+                },
+                indent=1,
+            )
+        )
+    else:
+        head = TABLE
+        print(" | ".join(head))
+        print(" | ".join("---" for _ in head))
+        for r in rows:
+            print(" | ".join(str(r[h]) for h in head))
+        print(
+            f"\n{len(rows)} compiles in {time.perf_counter() - t_all:.1f} s "
+            f"({args.layers} layers, target {args.target})"
+        )
+        for f in fails:
+            print("FAIL", f)
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

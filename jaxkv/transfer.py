@@ -1,0 +1,147 @@
+"""Bulk block transfers between the cache's tiers: one operation per pool and direction.
+
+Every path that moves KV between HBM and host memory (the attention's host reads, promotions,
+demotions, spills of sealed tail blocks) goes through `read_blocks` / `write_blocks`: a fixed-size
+list of (layer, slot) blocks, unused entries marked, moved in ONE gather or scatter per pool,
+never a loop over blocks. The mechanism is the cache's `fetch` option:
+
+- "pallas": `pallas_kernels.host_transfer` (Triton lowering): one kernel launch that receives
+  the pinned_host pool itself and copies only the listed blocks (zero-copy; unused entries cost
+  nothing but their program's exit). GPU only; off GPU it runs in the Pallas interpreter, which
+  takes device-memory pools only.
+- "xla": an XLA gather / scatter whose indices (and, for a write, values) are placed in the host
+  memory space, as JAX requires of a gather's operands. On a GPU XLA runs it as host compute
+  plus one DMA of the whole list (unused entries included); on CPU it is a plain gather.
+- "auto": "xla" off GPU (correct and fastest there: no interpreter); on a GPU "pallas", the one
+  mechanism whose link bytes are the listed blocks only, until `bench/bench_transfer.py`
+  measures otherwise (`GPU_AUTO`).
+
+A pool whose memory kind is "device" (`CacheConfig(host_memory_kind="device")`, the host tier
+emulated in HBM) is read and written with plain device gathers / scatters under every option.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.config import FETCH_OPTIONS
+from pallas_kernels import host_transfer as ht
+
+GPU_AUTO = "pallas"  # what "auto" means on a GPU; see the module docstring
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+_target: str | None = None
+
+
+@contextlib.contextmanager
+def compile_target(platform: str):
+    """Traces inside this context choose mechanisms (and kernel compilation instead of the
+    interpreter) for `platform` ("gpu" / "cuda" / "cpu") instead of the default backend: for
+    ahead-of-time compiles for a GPU on a CPU machine (`jaxkv.gpu_compile`)."""
+    global _target
+    old, _target = _target, platform
+    try:
+        yield
+    finally:
+        _target = old
+
+
+def target_platform() -> str:
+    """The platform traces are for: `compile_target`'s, else the default backend."""
+    return _target or jax.default_backend()
+
+
+def on_gpu() -> bool:
+    return target_platform() in _GPU_PLATFORMS
+
+
+def resolve_fetch(fetch: str) -> str:
+    """The mechanism `fetch` stands for on the platform being traced for."""
+    if fetch not in FETCH_OPTIONS:
+        raise ValueError(f"unknown fetch mechanism {fetch!r}; expected one of {FETCH_OPTIONS}")
+    if fetch != "auto":
+        return fetch
+    return GPU_AUTO if on_gpu() else "xla"
+
+
+def _sharding(kind: str):
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+
+
+def rows_of(layer, slot, valid, slots_per_layer: int):
+    """Flat row indices `layer * slots_per_layer + slot` of a pool's [layers * slots, ...] view,
+    -1 where `valid` is False (all arrays broadcast; int32 result)."""
+    row = jnp.asarray(layer, jnp.int32) * slots_per_layer + jnp.asarray(slot, jnp.int32)
+    return jnp.where(valid, row, -1).astype(jnp.int32)
+
+
+def after(rows, values):
+    """`rows` unchanged, but as a value that XLA sees computed from `values`.
+
+    A bulk write updates its pool in place (the scatter aliases it). XLA must then run every
+    earlier read of the pool before the write, or it copies the whole pool first to keep the
+    read's value, and it only knows that order from data dependencies (an optimization barrier
+    does not survive its GPU pipeline). So the write's row list is made to depend on one
+    element of each read's result: `min(rows, 2**30 + (e != e))` is `rows` for any e (row
+    indices are < 2**30), a comparison XLA cannot fold for floats (NaN).
+    """
+    leaves = [x for x in jax.tree.leaves(values) if jnp.issubdtype(x.dtype, jnp.floating)]
+    for x in leaves:
+        e = jnp.ravel(x)[0]
+        rows = jnp.minimum(rows, jnp.int32(1 << 30) + (e != e).astype(jnp.int32))
+    return rows
+
+
+def read_blocks(pool, rows, fetch: str, *, pool_kind: str):
+    """Copies blocks of a pool to the device in one operation.
+
+    Args:
+      pool: [layers, slots, block_size, kv_heads, head_dim] in memory kind `pool_kind`.
+      rows: [n] int32 flat (layer * slots + slot) indices (`rows_of`), -1 for an unused entry.
+      fetch: a resolved or "auto" mechanism (`resolve_fetch`).
+      pool_kind: the pool's memory kind ("device" means no host transfer at all).
+    Returns:
+      [n, block_size, kv_heads, head_dim] on the device; zeros for unused entries.
+    """
+    flat = pool.reshape(pool.shape[0] * pool.shape[1], -1)
+    if pool_kind == "device":
+        out = ht.gather_rows_reference(flat, rows)
+    elif resolve_fetch(fetch) == "pallas":
+        out = ht.gather_rows(flat, rows, interpret=not on_gpu())
+    else:  # "xla": the gather runs where its operands live, the result then moves to HBM
+        safe = jax.device_put(jnp.maximum(rows, 0), _sharding(pool_kind))
+        out = jax.device_put(flat[safe], _sharding("device"))
+        out = jnp.where((rows >= 0)[:, None], out, jnp.zeros((), out.dtype))
+    return out.reshape(rows.shape[0], *pool.shape[2:])
+
+
+def write_blocks(pool, rows, blocks, fetch: str, *, pool_kind: str, after_reads=None):
+    """Writes device blocks into a pool in one operation (in place when the pool is donated).
+
+    Args:
+      pool: [layers, slots, block_size, kv_heads, head_dim] in memory kind `pool_kind`.
+      rows: [n] int32 distinct flat indices (`rows_of`), -1 for an entry not to write.
+      blocks: [n, block_size, kv_heads, head_dim] in pool's dtype.
+      after_reads: results of every earlier read of `pool` that the write must follow (any
+        pytree; see `after`), or None.
+    Returns:
+      The pool with those blocks written, in memory kind `pool_kind`.
+    """
+    if after_reads is not None:
+        rows = after(rows, after_reads)
+    flat = pool.reshape(pool.shape[0] * pool.shape[1], -1)
+    vals = blocks.reshape(blocks.shape[0], -1).astype(pool.dtype)
+    if pool_kind == "device":
+        out = ht.scatter_rows_reference(flat, rows, vals)
+    elif resolve_fetch(fetch) == "pallas":
+        # the kernel writes the (aliased) host buffer in place; the device_put only tells JAX
+        # that the result lives in host memory, as the pool did
+        out = ht.scatter_rows(flat, rows, vals, interpret=not on_gpu())
+        out = jax.device_put(out, _sharding(pool_kind))
+    else:
+        kind = _sharding(pool_kind)
+        safe = jax.device_put(jnp.where(rows >= 0, rows, flat.shape[0]), kind)  # -> dropped
+        out = flat.at[safe].set(jax.device_put(vals, kind), mode="drop", unique_indices=True)
+    return out.reshape(pool.shape)

@@ -1,0 +1,357 @@
+"""jaxkv.gpu_compile: the HLO analyzer on hand-written snippets and on real compiles for an H200,
+and the decode loop's must-hold structure (no host syncs, no per-block loops, bulk host reads).
+
+Marked `gpu_compile`: `make test` skips them; `make test-gpu-compile` runs them with
+JAX_PLATFORMS=cpu and the CUDA plugin (`pip install -e .[gpu-compile]`). Without the plugin the
+compile tests skip with the reason; the snippet tests need only jax.
+"""
+
+# ruff: noqa: E501  (hand-written HLO instruction lines are kept whole, as XLA prints them)
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from jaxkv import gpu_compile as gc
+
+pytestmark = pytest.mark.gpu_compile
+
+needs_plugin = pytest.mark.skipif(
+    not gc.plugin_available() or os.environ.get("JAX_PLATFORMS", "").split(",")[0] != "cpu",
+    reason="needs the CUDA PJRT plugin (pip install -e .[gpu-compile]) and JAX_PLATFORMS=cpu",
+)
+
+# ---- hand-written HLO ---------------------------------------------------------------------
+
+_FUSED = """
+%fused_add (p0: f32[8]) -> f32[8] {
+  %p0 = f32[8]{0} parameter(0)
+  ROOT %add.1 = f32[8]{0} add(%p0, %p0)
+}
+"""
+
+
+def _module(body: str, entry: str) -> str:
+    """An HLO module: the fused computation, `body` computations, then ENTRY's `entry` lines."""
+    head = "HloModule m, is_scheduled=true"
+    return f"{head}\n{_FUSED}\n{body}\nENTRY %main (x: f32[8]) -> f32[8] {{\n{entry}\n}}\n"
+
+
+_LOOP_BODY = """
+%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %t = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %v = f32[8]{0} get-tuple-element(%t), index=1
+  %f1 = f32[8]{0} fusion(%v), kind=kLoop, calls=%fused_add
+  %f2 = f32[8]{0} fusion(%f1), kind=kLoop, calls=%fused_add
+  %bc = f32[8]{0} bitcast(%f2)
+  ROOT %r = (s32[], f32[8]{0}) tuple(%i, %bc)
+}
+
+%cond (t.1: (s32[], f32[8])) -> pred[] {
+  %t.1 = (s32[], f32[8]{0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%t.1), index=0
+  ROOT %lt = pred[] fusion(%i.1), kind=kLoop, calls=%fused_add
+}
+"""
+
+
+def test_known_trip_count_multiplies_the_body():
+    text = _module(
+        _LOOP_BODY,
+        """  %x = f32[8]{0} parameter(0)
+  %c = s32[] constant(0)
+  %t0 = (s32[], f32[8]{0}) tuple(%c, %x)
+  %w = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"},"known_init_step":{"init":"0","step":"1"}}
+  %g = f32[8]{0} get-tuple-element(%w), index=1
+  ROOT %out = f32[8]{0} fusion(%g), kind=kLoop, calls=%fused_add""",
+    )
+    a = gc.analyze(text)
+    assert a["gpu_ops"] == 5 * 2 + 1  # body fusions x trip count + the final fusion
+    assert a["unknown_trip_loops"] == 0 and a["host_syncs"] == 0
+    assert a["ops_by_kind"]["fusion:kLoop"] == 11
+
+
+def test_unknown_trip_loop_is_a_host_sync():
+    text = _module(
+        _LOOP_BODY,
+        """  %x = f32[8]{0} parameter(0)
+  %c = s32[] constant(0)
+  %t0 = (s32[], f32[8]{0}) tuple(%c, %x)
+  %w = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%body
+  ROOT %g = f32[8]{0} get-tuple-element(%w), index=1""",
+    )
+    a = gc.analyze(text)
+    assert a["unknown_trip_loops"] == 1 and a["host_syncs"] == 1
+    assert a["gpu_ops"] == 2 + 1  # body and condition once each (per iteration)
+
+
+def test_nested_unknown_loop_counts_per_outer_iteration():
+    outer = """
+%obody (u: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %u = (s32[], f32[8]{0}) parameter(0)
+  ROOT %w2 = (s32[], f32[8]{0}) while(%u), condition=%cond, body=%body
+}
+"""
+    text = _module(
+        _LOOP_BODY + outer,
+        """  %x = f32[8]{0} parameter(0)
+  %c = s32[] constant(0)
+  %t0 = (s32[], f32[8]{0}) tuple(%c, %x)
+  %w = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%obody, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %g = f32[8]{0} get-tuple-element(%w), index=1""",
+    )
+    a = gc.analyze(text)
+    assert a["unknown_trip_loops"] == 3 and a["host_syncs"] == 3 and a["gpu_ops"] == 9
+
+
+def test_host_dma_direction_and_async_slices():
+    text = _module(
+        "",
+        """  %x = f32[8]{0} parameter(0)
+  %h = f32[64,8]{1,0:S(5)} parameter(1)
+  %i = s32[] parameter(2)
+  %cs = (f32[64,8]{1,0}, f32[64,8]{1,0:S(5)}, u32[]) copy-start(%h)
+  %cd = f32[64,8]{1,0} copy-done(%cs)
+  %cs2 = (f32[64,8]{1,0:S(5)}, f32[64,8]{1,0}, u32[]) copy-start(%cd)
+  %cd2 = f32[64,8]{1,0:S(5)} copy-done(%cs2)
+  %ds = ((f32[64,8]{1,0:S(5)}, s32[], s32[]), f32[1,8]{1,0}, u32[]) fusion-start(%h, %i, %i), kind=kLoop, calls=%fused_add
+  %dd = f32[1,8]{1,0} fusion-done(%ds)
+  %hk = f32[8]{0} custom-call(%h, %i), custom_call_target="__gpu$xla.gpu.triton"
+  %hc = f32[64,8]{1,0:S(5)} fusion(%cd2), kind=kLoop, calls=%fused_add, frontend_attributes={_xla_compute_type="host"}
+  ROOT %out = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_add""",
+    )
+    a = gc.analyze(text)
+    assert a["h2d"] == 3  # copy-start from host, async dynamic-slice from host, the kernel
+    assert a["d2h"] == 1  # copy-start to host
+    assert a["host_kernels"] == 1 and a["host_compute"] == 1
+    assert a["transfers"] == {
+        "h2d:copy-start": 1,
+        "h2d:fusion-start": 1,
+        "h2d:custom-call": 1,
+        "d2h:copy-start": 1,
+    }
+    assert a["gpu_ops"] == 9  # 2 copy-start, 2 copy-done, fusion-start/-done, kernel, 2 fusions
+
+
+_BRANCHES = """
+%big (b: (f32[8])) -> (f32[8]) {
+  %b = (f32[8]{0}) parameter(0)
+  %b0 = f32[8]{0} get-tuple-element(%b), index=0
+  %b1 = f32[8]{0} fusion(%b0), kind=kLoop, calls=%fused_add
+  %b2 = f32[8]{0} fusion(%b1), kind=kLoop, calls=%fused_add
+  %b3 = f32[8]{0} fusion(%b2), kind=kLoop, calls=%fused_add
+  ROOT %bt = (f32[8]{0}) tuple(%b3)
+}
+
+%small (s: (f32[8])) -> (f32[8]) {
+  %s = (f32[8]{0}) parameter(0)
+  %s0 = f32[8]{0} get-tuple-element(%s), index=0
+  %s1 = f32[8]{0} fusion(%s0), kind=kLoop, calls=%fused_add
+  ROOT %st = (f32[8]{0}) tuple(%s1)
+}
+"""
+
+
+def test_conditional_takes_the_largest_branch_and_syncs():
+    text = _module(
+        _BRANCHES,
+        """  %x = f32[8]{0} parameter(0)
+  %p = pred[] parameter(1)
+  %t = (f32[8]{0}) tuple(%x)
+  %c = (f32[8]{0}) conditional(%p, %t, %t), true_computation=%big, false_computation=%small
+  ROOT %g = f32[8]{0} get-tuple-element(%c), index=0""",
+    )
+    a = gc.analyze(text)
+    assert a["gpu_ops"] == 3 and a["conditionals"] == 1 and a["host_syncs"] == 1
+
+
+def test_conditional_in_a_command_buffer_is_no_sync():
+    cb = """
+%command_buffer (q: f32[8], p.2: pred[]) -> f32[8] {
+  %q = f32[8]{0} parameter(0)
+  %p.2 = pred[] parameter(1)
+  %t = (f32[8]{0}) tuple(%q)
+  %c = (f32[8]{0}) conditional(%p.2, %t, %t), branch_computations={%big, %small}
+  ROOT %g = f32[8]{0} get-tuple-element(%c), index=0
+}
+"""
+    text = _module(
+        _BRANCHES + cb,
+        """  %x = f32[8]{0} parameter(0)
+  %p = pred[] parameter(1)
+  ROOT %r = f32[8]{0} call(%x, %p), to_apply=%command_buffer""",
+    )
+    a = gc.analyze(text)
+    assert a["gpu_ops"] == 3 and a["conditionals"] == 1 and a["host_syncs"] == 0
+    assert a["command_buffers"] == 1
+
+
+def test_scope_counts_named_scope_transfers():
+    text = _module(
+        "",
+        """  %x = f32[8]{0} parameter(0)
+  %h = f32[64,8]{1,0:S(5)} parameter(1)
+  %cs = (f32[64,8]{1,0}, f32[64,8]{1,0:S(5)}, u32[]) copy-start(%h), metadata={op_name="jit(f)/model/host_part/device_put"}
+  %cd = f32[64,8]{1,0} copy-done(%cs), metadata={op_name="jit(f)/model/host_part/device_put"}
+  %cs2 = (f32[64,8]{1,0}, f32[64,8]{1,0:S(5)}, u32[]) copy-start(%h), metadata={op_name="jit(f)/migrate/device_put"}
+  %cd2 = f32[64,8]{1,0} copy-done(%cs2)
+  ROOT %out = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_add""",
+    )
+    a = gc.analyze(text, scope="host_part")
+    assert a["h2d"] == 2 and a["scope_h2d"] == 1 and a["scope_gpu_ops"] == 2
+
+
+def test_analyze_rejects_text_without_entry():
+    with pytest.raises(ValueError, match="ENTRY"):
+        gc.analyze("HloModule m\n")
+
+
+def test_unknown_spec_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown GPU spec"):
+        gc.gpu_target("no-such-gpu")
+    assert {"h200", "gh200"} <= set(gc.available_specs())
+
+
+# ---- real compiles ------------------------------------------------------------------------
+
+
+@needs_plugin
+def test_real_compile_loops_and_host_dma():
+    import jax
+    import jax.numpy as jnp
+
+    host = gc.host_struct((64, 128), jnp.float32)
+    x = gc.device_struct((128,), jnp.float32)
+    n = gc.device_struct((), jnp.int32)
+    dev = gc.cpu_sharding("device")
+
+    def fixed(x):  # static trip count: no sync, body counted 7 times
+        return jax.lax.fori_loop(0, 7, lambda i, x: jnp.sin(x) * x + i, x)
+
+    def dynamic(x, n):  # traced trip count: a host sync per iteration
+        return jax.lax.fori_loop(0, n, lambda i, x: jnp.sin(x) * x + i, x)
+
+    def fetch(h, x):  # a whole host array to the device: one DMA
+        return jax.device_put(h, dev).sum(0) + x
+
+    a_fixed = gc.compile_for_gpu(fixed, x).analysis
+    a_dyn = gc.compile_for_gpu(dynamic, x, n).analysis
+    a_fetch = gc.compile_for_gpu(fetch, host, x).analysis
+    assert a_fixed["unknown_trip_loops"] == 0 and a_fixed["host_syncs"] == 0
+    assert a_fixed["gpu_ops"] >= 7
+    assert a_dyn["unknown_trip_loops"] == 1 and a_dyn["host_syncs"] == 1
+    assert a_fetch["h2d"] == 1 and a_fetch["d2h"] == 0
+    m = gc.compile_for_gpu(fetch, host, x)
+    assert "S(5)" in m.hlo_text and m.compile_seconds > 0
+
+
+@needs_plugin
+def test_host_struct_compiles_as_host_memory():
+    import jax.numpy as jnp
+
+    m = gc.compile_for_gpu(lambda h: h, gc.host_struct((16, 8), jnp.bfloat16))
+    layout = m.hlo_text.split("entry_computation_layout={")[1].split("}")[0]
+    assert "S(5)" in layout
+
+
+@needs_plugin
+def test_gh200_spec_compiles():
+    import jax.numpy as jnp
+
+    dev = gc.gpu_target("gh200")
+    assert "GH200" in dev.device_kind
+    m = gc.compile_for_gpu(lambda x: x * 2, gc.device_struct((8,), jnp.float32), target="gh200")
+    assert m.analysis["gpu_ops"] >= 1
+
+
+# ---- the decode loop's must-holds (small shape) -------------------------------------------
+
+LAYERS = 2
+CONTEXTS = (256, 1024)
+POLICIES = ("static", "lru", "anneal", "anneal+reuse+now")
+MODES = ("exact", "sparse")
+
+
+def _bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu_ops.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu_ops", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _bench()
+
+
+def _rows(bench, mode, policy, what):
+    rows = {}
+    for ctx in CONTEXTS:
+        res = bench.compile_cases(
+            LAYERS, ctx, 1, mode, policy, shape=bench.SMALL, target="h200", what=what
+        )
+        rows[ctx] = {fn: a for fn, (_, a) in res.items()}
+    return rows
+
+
+def _assert_must_hold(rows, fn, bench):
+    a0, a1 = (rows[c][fn] for c in CONTEXTS)
+    for ctx, a in zip(CONTEXTS, (a0, a1), strict=True):
+        assert a["host_syncs"] == 0, f"{fn} at {ctx} tokens: {a['host_syncs']} host syncs"
+        assert a["unknown_trip_loops"] == 0, (
+            f"{fn} at {ctx} tokens: {a['unknown_trip_loops']} unknown-trip loops"
+        )
+        row = {"fn": fn, "host_reads": a["scope_h2d"], "h2d": a["h2d"], "d2h": a["d2h"]}
+        assert not bench.transfer_failures(row, LAYERS), bench.transfer_failures(row, LAYERS)
+    assert bench.ops_context_free({c: rows[c][fn]["gpu_ops"] for c in CONTEXTS}), (
+        f"{fn}: gpu_ops {a0['gpu_ops']} at {CONTEXTS[0]} vs {a1['gpu_ops']} at {CONTEXTS[1]} "
+        "tokens (per-block work in the program)"
+    )
+
+
+@needs_plugin
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_decode_step_must_hold(bench, mode, policy):
+    rows = _rows(bench, mode, policy, ["step"])
+    for ctx in CONTEXTS:  # the host read is there (25% HBM): the scope check is not vacuous
+        assert rows[ctx]["step"]["scope_h2d"] >= 1, (
+            f"no host read inside named_scope({bench.READ_SCOPE!r}) at {ctx} tokens"
+        )
+    _assert_must_hold(rows, "step", bench)
+
+
+@needs_plugin
+@pytest.mark.parametrize("fn", ["migrate", "compact"])
+def test_migrate_and_compact_must_hold(bench, fn):
+    rows = _rows(bench, "exact", "static", [fn])
+    _assert_must_hold(rows, fn, bench)
+
+
+@needs_plugin
+@pytest.mark.parametrize("policy", ["static", "lru"])
+def test_window_step_of_a_heuristic_policy_must_hold(bench, policy):
+    """The step that ends a window (plan, bulk migration) is branch- and loop-free too when the
+    policy is (static, LRU); the annealer's plan loops until it converges, which gpu_ops.py
+    reports for the anneal policies without checking."""
+    rows = _rows(bench, "sparse", policy, ["window_step"])
+    _assert_must_hold(rows, "window_step", bench)
+
+
+@needs_plugin
+def test_host_reads_are_zero_copy_kernels_on_gpu(bench):
+    """Under fetch="auto" the GPU build reads host blocks with the Pallas gather (a custom call
+    on the pinned_host pool, one per layer for K and one for V), not XLA host compute."""
+    res = bench.compile_cases(
+        LAYERS, CONTEXTS[0], 1, "sparse", "static", shape=bench.SMALL, target="h200", what=["step"]
+    )
+    _, a = res["step"]
+    assert a["host_compute"] == 0
+    assert a["scope_h2d"] == 2 * LAYERS

@@ -1,0 +1,184 @@
+"""jaxkv.transfer: bulk block reads and writes under every mechanism and memory kind, and the
+cache paths built on them (property tests: no block lost, duplicated or altered; kinds kept)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxkv import cache as kvc
+from jaxkv import transfer as tr
+from jaxkv.config import CacheConfig
+
+KINDS = ("pinned_host", "unpinned_host", "device")
+
+
+def _pool(kind, seed=0, shape=(3, 6, 4, 2, 8)):
+    x = jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+    return jax.device_put(x, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind))
+
+
+@pytest.mark.parametrize("fetch", ["xla", "pallas"])
+@pytest.mark.parametrize("kind", ["pinned_host", "device"])
+def test_read_and_write_blocks(fetch, kind):
+    pool = _pool(kind)
+    ref = np.array(pool)
+    layer = jnp.asarray([0, 2, 1, 2, 0], jnp.int32)
+    slot = jnp.asarray([5, 0, 3, 3, 1], jnp.int32)
+    valid = jnp.asarray([True, True, False, True, True])
+    rows = tr.rows_of(layer, slot, valid, 6)
+    got = jax.jit(lambda p, r: tr.read_blocks(p, r, fetch, pool_kind=kind))(pool, rows)
+    for i in range(5):
+        want = ref[layer[i], slot[i]] if valid[i] else np.zeros_like(ref[0, 0])
+        np.testing.assert_array_equal(got[i], want)
+    blocks = jnp.full((5, 4, 2, 8), 7.0)
+    write = jax.jit(
+        lambda p, r, b: tr.write_blocks(p, r, b, fetch, pool_kind=kind), donate_argnums=(0,)
+    )
+    out = write(pool, rows, blocks)
+    assert out.sharding.memory_kind == kind
+    for i in range(5):
+        if valid[i]:
+            ref[layer[i], slot[i]] = 7.0
+    np.testing.assert_array_equal(out, ref)
+
+
+def test_resolve_fetch_and_compile_target():
+    assert tr.resolve_fetch("auto") == "xla"  # CPU
+    with tr.compile_target("gpu"):
+        assert tr.resolve_fetch("auto") == tr.GPU_AUTO
+        assert tr.target_platform() == "gpu"
+    assert tr.resolve_fetch("pallas") == "pallas"
+    with pytest.raises(ValueError, match=r"unknown fetch mechanism 'dma'"):
+        tr.resolve_fetch("dma")
+
+
+def test_after_leaves_rows_unchanged():
+    rows = jnp.asarray([3, -1, 7], jnp.int32)
+    out = jax.jit(tr.after)(rows, (jnp.asarray([jnp.nan, 1.0]), jnp.ones((2,), jnp.int32)))
+    np.testing.assert_array_equal(out, rows)
+
+
+def test_error_unknown_fetch_in_config():
+    with pytest.raises(ValueError, match=r"fetch must be one of \('auto', 'xla', 'pallas'\)"):
+        CacheConfig(num_layers=1, kv_heads=1, head_dim=8, fetch="loop")
+
+
+def test_host_pool_over_the_gpu_limit_fails_before_allocating(monkeypatch):
+    cfg = CacheConfig(
+        num_layers=32,
+        kv_heads=8,
+        head_dim=128,
+        max_len=131072,
+        dtype="bfloat16",
+        batch=8,
+        hbm_capacity=0.25,
+    )  # 8 x 128k tokens, 75% on host: 96 GiB of K+V
+    monkeypatch.delenv(kvc.GPU_HOST_LIMIT_VAR, raising=False)
+    with pytest.raises(
+        ValueError,
+        match=r"need 96\.0 GiB .* limit of 64\.0 GiB: raise "
+        r"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
+    ):
+        kvc.check_host_pool(cfg, platform="gpu")
+    kvc.check_host_pool(cfg, platform="cpu")  # no such limit off GPU
+    monkeypatch.setenv(kvc.GPU_HOST_LIMIT_VAR, "128")
+    kvc.check_host_pool(cfg, platform="gpu")
+    monkeypatch.setenv(kvc.GPU_HOST_LIMIT_VAR, "lots")
+    with pytest.raises(ValueError, match=r"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB='lots' is not"):
+        kvc.check_host_pool(cfg, platform="gpu")
+    with tr.compile_target("gpu"), pytest.raises(ValueError, match=r"pinned host memory"):
+        monkeypatch.delenv(kvc.GPU_HOST_LIMIT_VAR)
+        kvc.TieredKVCache.create(cfg)
+
+
+# ---- property test: the bulk paths never lose, duplicate or alter a block --------------------
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("append"), st.integers(0, 3)),
+        st.tuples(st.just("migrate"), st.integers(0, 2**31 - 1)),
+        st.tuples(st.just("compact"), st.just(0)),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+def _cfg(fetch, kind):
+    return CacheConfig(
+        num_layers=2,
+        kv_heads=2,
+        head_dim=8,
+        batch=2,
+        max_len=24,
+        block_size=3,
+        hbm_capacity=5,
+        fetch=fetch,
+        host_memory_kind=kind,
+    )
+
+
+_JITS = {}
+
+
+def _ops(cfg):
+    if cfg not in _JITS:
+
+        def append(cache, key, active):
+            L, B = cfg.num_layers, cfg.batch
+            new = jax.random.normal(key, (L, B, cfg.kv_heads, cfg.head_dim))
+            for layer in range(L):
+                cache = kvc.write_token(cache, layer, new[layer], new[layer] * 2, active)
+            return kvc.advance(cache, active), new
+
+        def migrate(cache, target):
+            return kvc.migrate(cache, kvc.plan_moves(cache, target, 3))
+
+        _JITS[cfg] = (
+            jax.jit(append, donate_argnums=(0,)),
+            jax.jit(migrate, donate_argnums=(0,)),
+            jax.jit(kvc.compact, donate_argnums=(0,)),
+        )
+    return _JITS[cfg]
+
+
+@pytest.mark.parametrize(
+    "fetch,kind", [("xla", "pinned_host"), ("pallas", "pinned_host"), ("auto", "device")]
+)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=_OPS, lengths=st.tuples(st.integers(1, 8), st.integers(1, 8)))
+def test_bulk_paths_keep_every_block(fetch, kind, ops, lengths):
+    cfg = _cfg(fetch, kind)
+    append, migrate, compact = _ops(cfg)
+    T = max(lengths)
+    k = jax.random.normal(jax.random.key(sum(lengths)), (2, 2, T, 2, 8))
+    cache = kvc.prefill(kvc.TieredKVCache.create(cfg), k, k * 2, jnp.asarray(lengths))
+    ref = np.array(kvc.to_dense(cache)[0])
+    for i, (op, arg) in enumerate(ops):
+        if op == "append":
+            active = jnp.array([bool(arg & 1), bool(arg & 2)])
+            before = np.asarray(cache.lengths)
+            if (before + np.asarray(active) > cfg.max_len).any():
+                continue
+            cache, new = append(cache, jax.random.key(i), active)
+            for b in range(2):
+                if active[b]:
+                    ref[:, b, before[b]] = np.asarray(new[:, b])
+        elif op == "migrate":
+            target = jax.random.bernoulli(jax.random.key(arg), 0.5, (2, cfg.total_blocks))
+            was = np.asarray(cache.in_hbm)
+            cache, moved = migrate(cache, target)
+            now = np.asarray(cache.in_hbm)
+            # the count is the blocks whose tier changed, each once
+            assert int(np.asarray(moved).sum()) == int((was != now).sum())
+        else:
+            cache = compact(cache)
+        kvc.check_invariants(cache)
+        assert cache.host_k.sharding.memory_kind == kind
+        assert cache.host_v.sharding.memory_kind == kind
+        dk, dv = kvc.to_dense(cache)
+        np.testing.assert_array_equal(dk, ref)
+        np.testing.assert_array_equal(dv, ref * 2)
