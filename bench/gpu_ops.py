@@ -10,6 +10,10 @@ and prints what the optimized HLO executes per call (`jaxkv.gpu_compile.analyze`
     JAX_PLATFORMS=cpu python bench/gpu_ops.py --layers 2 --contexts 8k --batches 1
     JAX_PLATFORMS=cpu python bench/gpu_ops.py --json --check ...   # exit 1 if a must-hold fails
 
+`read_overlap` is the fewest compute-stream operations the schedule runs while one of the
+step's host reads is in flight on its own stream (`jaxkv.gpu_compile.overlap`; blank where the
+reads are not on a side stream).
+
 The must-hold checks (--check): 0 host_syncs, 0 unknown_trip_loops, gpu_ops of a (batch, mode,
 policy, function) within OPS_BAND at every context (XLA's size-dependent kernel choices, not
 per-block work; see `ops_context_free`), and host KV traffic of at most 2 transfers per layer
@@ -51,6 +55,7 @@ TABLE = (
     "h2d",
     "d2h",
     "host_reads",
+    "read_overlap",
     "unknown_trip_loops",
     "host_syncs",
     "compile_s",
@@ -305,6 +310,7 @@ def main(argv=None) -> int:
                     layers=args.layers,
                     **{f: a[f] for f in FIELDS},
                     host_reads=a["scope_h2d"],
+                    read_overlap=min(gc.overlap(mod.hlo_text), default=None),
                     host_compute=a["host_compute"],
                     conditionals=a["conditionals"],
                     transfers=dict(a["transfers"]),

@@ -1,14 +1,16 @@
 """Functional decoding over a TieredKVCache: prefill, decode_step, generate.
 
 `Decoder` holds everything static (the model's graph, cache geometry, placement config, policy,
-sampler, hardware profile) and compiles two functions: `step` (one token per sequence, the state
-donated) and `generate` (a `lax.while_loop` over `step` that stops at a step limit, when every
-sequence has finished, or when a cache is full). Both run the window hook inside jit: every W
-steps (W lives in the state, so changing it never recompiles) the policy plans a target placement
-from the per-block read statistics, `plan_moves` bounds it to a migration budget, and the cache
-migrates. A policy with `now` (e.g. "anneal+reuse+now") plans inside the step instead: for each
-layer, after the Quest selection of the blocks it is about to read and before it reads them, so
-it can promote a block for the very step that reads it (the simulator's `+now`). DecodeState
+sampler, hardware profile) and compiles the step twice: `decode_step` (one token per sequence,
+the state donated; no plan, no migration, so no branch on the data: a GPU conditional syncs the
+host) and `window_step`, the step that ends a window: every W steps (W lives in the state, so
+changing it never recompiles) the policy plans a target placement from the per-block read
+statistics, `plan_moves` bounds it to a migration budget, and the cache migrates in bulk.
+`step` and `generate` (a `lax.while_loop` that stops at a step limit, when every sequence has
+finished, or when a cache is full) pick one of the two on the device at each step. A policy
+with `now` (e.g. "anneal+reuse+now") plans inside the window step instead: for each layer,
+after the Quest selection of the blocks it is about to read and before it reads them, so it can
+promote a block for the very step that reads it (the simulator's `+now`). DecodeState
 carries the metrics: per-step bytes read from each tier, the modeled step latency under a
 HardwareProfile (PAPER.md's max of the two tiers), blocks migrated, HBM hit rate.
 """

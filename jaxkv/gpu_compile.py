@@ -552,6 +552,36 @@ def analyze(hlo_text: str, scope: str | None = None) -> dict:
     }
 
 
+def overlap(hlo_text: str) -> list[int]:
+    """Per async computation on a side stream (a `call-start` with `_xla_stream_annotation`,
+    e.g. `jaxkv.transfer`'s host reads), the GPU operations the schedule runs on the compute
+    stream between its start and its done: what the transfer overlaps. ENTRY only, in order.
+
+    The optimized module is scheduled: instruction order within a computation is the order
+    the ops are launched, so ops between a start and its done run while it is in flight."""
+    comps, entry = parse_hlo(hlo_text)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    insts = comps[entry]
+    where = {i.name: n for n, i in enumerate(insts)}
+    out = []
+    for n, inst in enumerate(insts):
+        if inst.opcode != "call-done" or "_xla_stream_annotation" not in inst.attrs:
+            continue
+        start = where.get(inst.operands[0]) if inst.operands else None
+        if start is None:
+            continue
+        between = insts[start + 1 : n]
+        out.append(
+            sum(
+                1
+                for i in between
+                if i.opcode not in _NOT_OPS and not i.opcode.endswith(("-start", "-done"))
+            )
+        )
+    return out
+
+
 def summary(analysis: dict) -> dict[str, Any]:
     """The scalar fields of an `analyze` result (drops the per-kind breakdowns)."""
     return {f: analysis[f] for f in _FIELDS}

@@ -7,8 +7,9 @@ never a loop over blocks. The mechanism is the cache's `fetch` option:
 
 - "pallas": `pallas_kernels.host_transfer` (Triton lowering): one kernel launch that receives
   the pinned_host pool itself and copies only the listed blocks (zero-copy; unused entries cost
-  nothing but their program's exit). GPU only; off GPU it runs in the Pallas interpreter, which
-  takes device-memory pools only.
+  nothing but their program's exit). On a GPU the read runs on its own stream
+  (`_on_copy_stream`), so it overlaps the layer's HBM part; off GPU the kernels run in the
+  Pallas interpreter (on pinned_host pools too, inside jit).
 - "xla": an XLA gather / scatter whose indices (and, for a write, values) are placed in the host
   memory space, as JAX requires of a gather's operands. On a GPU XLA runs it as host compute
   plus one DMA of the whole list (unused entries included); on CPU it is a plain gather.
@@ -23,6 +24,8 @@ emulated in HBM) is read and written with plain device gathers / scatters under 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -87,11 +90,32 @@ def after(rows, values):
     element of each read's result: `min(rows, 2**30 + (e != e))` is `rows` for any e (row
     indices are < 2**30), a comparison XLA cannot fold for floats (NaN).
     """
-    leaves = [x for x in jax.tree.leaves(values) if jnp.issubdtype(x.dtype, jnp.floating)]
+    leaves = [
+        x for x in jax.tree.leaves(values) if jnp.issubdtype(x.dtype, jnp.floating) and x.size
+    ]
     for x in leaves:
         e = jnp.ravel(x)[0]
         rows = jnp.minimum(rows, jnp.int32(1 << 30) + (e != e).astype(jnp.int32))
     return rows
+
+
+COPY_STREAM = 1  # the GPU stream host reads run on, beside the compute stream (0)
+
+
+def _on_copy_stream(fn):
+    """`fn` as an async computation on GPU stream COPY_STREAM (XLA's explicit stream
+    annotation, `compute_on("gpu_stream:N")`): XLA starts it, schedules independent compute
+    (the layer's HBM part, the previous layer) on the compute stream, and waits for it where
+    its result is used. `fn` itself where the installed jax has no such compute_on."""
+    try:
+        from jax.experimental.compute_on import compute_on
+    except ImportError:  # pragma: no cover - jax without compute_on
+        return fn
+    if "out_memory_spaces" not in inspect.signature(compute_on).parameters:
+        return fn  # pragma: no cover - an older compute_on (a context manager)
+    return compute_on(
+        fn, compute_type=f"gpu_stream:{COPY_STREAM}", out_memory_spaces=jax.memory.Space.Device
+    )
 
 
 def read_blocks(pool, rows, fetch: str, *, pool_kind: str):
@@ -108,8 +132,11 @@ def read_blocks(pool, rows, fetch: str, *, pool_kind: str):
     flat = pool.reshape(pool.shape[0] * pool.shape[1], -1)
     if pool_kind == "device":
         out = ht.gather_rows_reference(flat, rows)
+    elif resolve_fetch(fetch) == "pallas" and on_gpu():  # on the copy stream: overlapped
+        ht.check_rows(flat, rows)
+        out = _on_copy_stream(functools.partial(ht.gather_rows_call, interpret=False))(flat, rows)
     elif resolve_fetch(fetch) == "pallas":
-        out = ht.gather_rows(flat, rows, interpret=not on_gpu())
+        out = ht.gather_rows(flat, rows, interpret=True)
     else:  # "xla": the gather runs where its operands live, the result then moves to HBM
         safe = jax.device_put(jnp.maximum(rows, 0), _sharding(pool_kind))
         out = jax.device_put(flat[safe], _sharding("device"))

@@ -18,8 +18,8 @@ trace time, which is why these kernels use the Triton lowering (deprecated in ja
 working); `jaxkv.transfer` keeps them behind its `fetch` option with the pure-XLA path always
 available, and the `*_reference` functions below are that path's semantics in pure jnp.
 
-On CPU the kernels run in the Pallas interpreter (`interpret=True`, the default off GPU) on
-device-memory pools; the interpreter cannot take pinned_host operands inside a jit.
+On CPU the kernels run in the Pallas interpreter (`interpret=True`, the default off GPU), on
+device or pinned_host pools, inside jit or not.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def row_chunk(row_elems: int) -> int:
     return min(MAX_CHUNK, row_elems & -row_elems)
 
 
-def _check(pool, rows, values=None):
+def check_rows(pool, rows, values=None):
+    """Raises ValueError unless pool is [R, E], rows 1-D int32 and values [len(rows), E]."""
     if pool.ndim != 2:
         raise ValueError(f"pool must be [rows, elements], got shape {tuple(pool.shape)}")
     if rows.ndim != 1 or rows.dtype != jnp.int32:
@@ -97,8 +98,9 @@ def scatter_rows_kernel(rows_ref, values_ref, pool_in_ref, pool_ref, *, chunk: i
         pool_ref[row, cols] = values_ref[i, cols]
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _gather_rows(pool, rows, *, interpret):
+def gather_rows_call(pool, rows, *, interpret: bool):
+    """The `gather_rows` kernel launch itself, unjitted and unchecked: for callers that wrap it
+    (e.g. in `compute_on`, whose stream annotation must see the launch, not a nested jit)."""
     n, E = rows.shape[0], pool.shape[1]
     chunk = row_chunk(E)
     any_space = pl.BlockSpec(memory_space=pl.ANY)
@@ -112,6 +114,9 @@ def _gather_rows(pool, rows, *, interpret):
         interpret=interpret,
         name="gather_rows",
     )(rows, pool)
+
+
+_gather_rows = jax.jit(gather_rows_call, static_argnames=("interpret",))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0,))
@@ -142,7 +147,7 @@ def gather_rows(pool, rows, *, interpret: bool | None = None):
     Returns:
       [n, E] in pool's dtype: row rows[i] of pool, zeros where rows[i] < 0.
     """
-    _check(pool, rows)
+    check_rows(pool, rows)
     return _gather_rows(pool, rows, interpret=_interpret(interpret))
 
 
@@ -156,14 +161,14 @@ def scatter_rows(pool, rows, values, *, interpret: bool | None = None):
     Returns:
       The updated pool (rows not listed are untouched).
     """
-    _check(pool, rows, values)
+    check_rows(pool, rows, values)
     return _scatter_rows(pool, rows, values, interpret=_interpret(interpret))
 
 
 def gather_rows_reference(pool, rows, *, interpret=None):
     """Pure-jnp `gather_rows` (same arguments and result; `interpret` is ignored)."""
     del interpret
-    _check(pool, rows)
+    check_rows(pool, rows)
     out = pool[jnp.maximum(rows, 0)]
     return jnp.where((rows >= 0)[:, None], out, jnp.zeros((), pool.dtype))
 
@@ -171,6 +176,6 @@ def gather_rows_reference(pool, rows, *, interpret=None):
 def scatter_rows_reference(pool, rows, values, *, interpret=None):
     """Pure-jnp `scatter_rows` (same arguments and result; `interpret` is ignored)."""
     del interpret
-    _check(pool, rows, values)
+    check_rows(pool, rows, values)
     safe = jnp.where(rows >= 0, rows, pool.shape[0])  # out of range -> dropped
     return pool.at[safe].set(values, mode="drop", unique_indices=True)

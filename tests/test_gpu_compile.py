@@ -355,3 +355,30 @@ def test_host_reads_are_zero_copy_kernels_on_gpu(bench):
     _, a = res["step"]
     assert a["host_compute"] == 0
     assert a["scope_h2d"] == 2 * LAYERS
+
+
+def test_overlap_counts_ops_between_a_side_stream_start_and_its_done():
+    hlo = """
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %s = ((f32[8]{0}), f32[8]{0}) call-start(%p), async_execution_thread="parallel", to_apply=%c, frontend_attributes={_xla_stream_annotation="1"}
+  %a = f32[8]{0} fusion(%p), kind=kLoop, calls=%f
+  %b = f32[8]{0} fusion(%a), kind=kLoop, calls=%f
+  %d = f32[8]{0} call-done(%s), frontend_attributes={_xla_stream_annotation="1"}
+  ROOT %r = f32[8]{0} fusion(%d, %b), kind=kLoop, calls=%f
+}
+"""
+    assert gc.overlap(hlo) == [2]
+
+
+@needs_plugin
+def test_host_reads_overlap_compute_in_the_schedule(bench):
+    """Each host read runs on its own stream and the compiled schedule puts compute of the
+    compute stream (the layer's HBM part, the token write) between its start and its done."""
+    res = bench.compile_cases(
+        LAYERS, CONTEXTS[0], 1, "sparse", "static", shape=bench.SMALL, target="h200", what=["step"]
+    )
+    m, _ = res["step"]
+    ov = gc.overlap(m.hlo_text)
+    assert len(ov) == 2 * LAYERS, ov
+    assert min(ov) >= 1, ov
