@@ -38,7 +38,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
+from _progress import tqdm  # tqdm, or a stand-in where it is missing
 
 from jaxkv.config import HBM_KIND, HOST_KIND
 from jaxkv.transfer import on_gpu, read_blocks, write_blocks

@@ -4,6 +4,7 @@ Modules (import the functions from them, e.g.
 `from pallas_kernels.blocked_attention import blocked_attention`):
   blocked_attention  paged decode attention -> (out, lse); BlockSizes; merge_partials
   compaction         in-place block moves; CompactionBlockSizes; compaction_moves (dense prefix)
+  host_transfer      bulk row gather / scatter over a whole (pinned_host) pool, Triton lowering
   common             hopper_available() (can the kernels compile here?), shared params
   paging             input validation and block-list planning for blocked_attention
 
@@ -13,6 +14,13 @@ the module names unshadowed (no function re-exports), so `pallas_kernels.blocked
 is always the module.
 """
 
-from pallas_kernels import blocked_attention, common, compaction, paging
+try:  # registers Pallas' fuser config option, part of every jit key, before anything compiles:
+    # the first kernel trace imports it otherwise, and every function compiled before then
+    # recompiles at its next call (a compile inside a timed decode loop, once)
+    from jax.experimental.pallas import fuser as _fuser  # noqa: F401
+except ImportError:  # pragma: no cover - a jax without it
+    pass
 
-__all__ = ["blocked_attention", "common", "compaction", "paging"]
+from pallas_kernels import blocked_attention, common, compaction, host_transfer, paging
+
+__all__ = ["blocked_attention", "common", "compaction", "host_transfer", "paging"]

@@ -182,3 +182,23 @@ def test_bulk_paths_keep_every_block(fetch, kind, ops, lengths):
         dk, dv = kvc.to_dense(cache)
         np.testing.assert_array_equal(dk, ref)
         np.testing.assert_array_equal(dv, ref * 2)
+
+
+def test_first_kernel_trace_recompiles_nothing():
+    """Tracing the first Pallas kernel must not change the jit key of functions compiled
+    before it (pallas_kernels registers the fuser's config option at import); run in a fresh
+    process, where no earlier test has traced a kernel."""
+    import subprocess
+    import sys
+
+    code = (
+        "import jax, jax.numpy as jnp, jaxkv.transfer\n"
+        "f = jax.jit(lambda x: x * 2); f(jnp.ones(3))\n"
+        "from pallas_kernels.host_transfer import gather_rows\n"
+        "gather_rows(jnp.ones((4, 8)), jnp.arange(2, dtype=jnp.int32), interpret=True)\n"
+        "f(jnp.ones(3)); print(f._cache_size())\n"
+    )
+    env = {**__import__("os").environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "1", "a jit compiled before the kernel recompiled"
