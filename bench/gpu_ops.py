@@ -14,10 +14,10 @@ and prints what the optimized HLO executes per call (`jaxkv.gpu_compile.analyze`
 step's host reads is in flight on its own stream (`jaxkv.gpu_compile.overlap`; blank where the
 reads are not on a side stream).
 
-The must-hold checks (--check): 0 host_syncs, 0 unknown_trip_loops, gpu_ops of a (batch, mode,
-policy, function) within OPS_BAND at every context (XLA's size-dependent kernel choices, not
-per-block work; see `ops_context_free`), and host KV traffic of at most 2 transfers per layer
-per call in each direction (K and V). Needs `pip install -e .[gpu-compile]`.
+The must-hold checks (--check): 0 while loops (so 0 unknown_trip_loops), 0 host_syncs, gpu_ops
+of a (batch, mode, policy, function) within OPS_BAND at every context (XLA's size-dependent
+kernel choices, not per-block work; see `ops_context_free`), and host KV traffic of at most 2
+transfers per layer per call in each direction (K and V). Needs `pip install -e .[gpu-compile]`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ MODES = ("exact", "sparse")
 NEW_TOKENS = 64  # max_len = context + NEW_TOKENS
 PER_POLICY = ("step", "window_step")  # functions that depend on the mode and policy
 READ_SCOPE = "host_part"  # jax.named_scope of the attention's host read (jaxkv.attention)
-FIELDS = ("gpu_ops", "h2d", "d2h", "host_kernels", "unknown_trip_loops", "host_syncs")
+FIELDS = ("gpu_ops", "h2d", "d2h", "host_kernels", "loops", "unknown_trip_loops", "host_syncs")
 TABLE = (
     "fn",
     "context",
@@ -56,6 +56,7 @@ TABLE = (
     "d2h",
     "host_reads",
     "read_overlap",
+    "loops",
     "unknown_trip_loops",
     "host_syncs",
     "compile_s",
@@ -220,6 +221,8 @@ def check(cases: list[dict], layers: int) -> list[str]:
         tag = f"{r['fn']} ctx={r['context']} B={r['batch']} {r['mode']} {r['policy']}"
         if r["host_syncs"]:
             fails.append(f"{tag}: {r['host_syncs']} host syncs (expected 0)")
+        if r["loops"]:  # with no loop at all, nothing in the program can repeat per block
+            fails.append(f"{tag}: {r['loops']} while loops (expected 0)")
         if r["unknown_trip_loops"]:
             fails.append(f"{tag}: {r['unknown_trip_loops']} unknown-trip loops (expected 0)")
         fails += [f"{tag}: {m}" for m in transfer_failures(r, layers)]
@@ -234,11 +237,12 @@ def check(cases: list[dict], layers: int) -> list[str]:
     return fails
 
 
-# XLA's GPU codegen picks kernels by size (a long reduction becomes two kernels, a large
-# gather is not fused into its consumer), so the same program executes a few more operations
-# at a longer context. A per-block loop would multiply them instead (8k -> 128k tokens is 16x
-# the blocks), so the check allows this band around the smallest count and no more.
-OPS_BAND = 0.15
+# XLA's GPU codegen picks kernels by size (a long reduction becomes two kernels, a GEMM is
+# split along K, a large gather is not fused into its consumer), so the same loop-free program
+# executes more operations at a longer context: the 2-layer 8B shape's decode step 151 at 8k,
+# 180 at 32k, 184 at 128k (exact, batch 1). With no loop in the program (checked too), nothing
+# can repeat per block; the band bounds what codegen may add.
+OPS_BAND = 0.25
 
 
 def ops_context_free(by_context: dict[int, int]) -> bool:

@@ -377,6 +377,7 @@ _FIELDS = (
     "d2h",
     "host_kernels",
     "host_compute",
+    "loops",
     "unknown_trip_loops",
     "conditionals",
     "host_syncs",
@@ -467,6 +468,7 @@ def analyze(hlo_text: str, scope: str | None = None) -> dict:
                 cond = _called(inst.attrs, "condition")[0]
                 m = _TRIP.search(inst.attrs)
                 sub = walk(body, in_cmdbuf, stack + (comp,))
+                r["loops"] += 1
                 if m:
                     add(r, sub, int(m.group(1)))
                 else:

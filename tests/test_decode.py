@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,6 +80,31 @@ def test_any_placement_gives_all_hbm_tokens(tiny, all_hbm_tokens, policy, hbm, b
     np.testing.assert_array_equal(np.asarray(state.tokens), all_hbm_tokens)
     s = summarize(state)
     assert 0.0 < s["hbm_hit_rate"] < 1.0 and s["modeled_seconds"] > 0
+
+
+@pytest.mark.parametrize("policy,window", [("lru", 3), ("anneal+reuse+now", 4)])
+def test_pallas_transfers_match_xla_and_all_hbm(tiny, policy, window):
+    """fetch="pallas": host reads, spills and migrations through the Pallas gather / scatter
+    kernels (the interpreter on CPU, on the pinned_host pools). Under sparse attention (the
+    selection depends on the logical blocks only, so placement still changes nothing) the
+    tokens equal the all-HBM run's, and the blocks moved equal fetch="xla"'s."""
+    model, params = tiny
+    placement = PlacementConfig(policy=policy, window=window, attention="sparse", topk=0.3)
+    runs = {}
+    for name, hbm, fetch in (
+        ("all-hbm", 1.0, "xla"),
+        ("xla", 0.25, "xla"),
+        ("pallas", 0.25, "pallas"),
+    ):
+        cfg = dataclasses.replace(_cfg(model, hbm=hbm), fetch=fetch)
+        dec = Decoder(model, cfg, placement, max_new_tokens=NEW)
+        state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
+        kvc.check_invariants(state.cache)
+        assert state.cache.host_k.sharding.memory_kind == "pinned_host"
+        runs[name] = (np.asarray(state.tokens), summarize(state))
+    for name in ("xla", "pallas"):
+        np.testing.assert_array_equal(runs[name][0], runs["all-hbm"][0])
+    assert runs["pallas"][1]["migrated_blocks"] == runs["xla"][1]["migrated_blocks"] > 0
 
 
 def test_reuse_forecast_in_live_decode_is_lossless_and_learns(tiny, all_hbm_tokens):

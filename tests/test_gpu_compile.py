@@ -70,7 +70,7 @@ def test_known_trip_count_multiplies_the_body():
     )
     a = gc.analyze(text)
     assert a["gpu_ops"] == 5 * 2 + 1  # body fusions x trip count + the final fusion
-    assert a["unknown_trip_loops"] == 0 and a["host_syncs"] == 0
+    assert a["unknown_trip_loops"] == 0 and a["host_syncs"] == 0 and a["loops"] == 1
     assert a["ops_by_kind"]["fusion:kLoop"] == 11
 
 
@@ -305,6 +305,7 @@ def _assert_must_hold(rows, fn, bench):
     a0, a1 = (rows[c][fn] for c in CONTEXTS)
     for ctx, a in zip(CONTEXTS, (a0, a1), strict=True):
         assert a["host_syncs"] == 0, f"{fn} at {ctx} tokens: {a['host_syncs']} host syncs"
+        assert a["loops"] == 0, f"{fn} at {ctx} tokens: {a['loops']} while loops"
         assert a["unknown_trip_loops"] == 0, (
             f"{fn} at {ctx} tokens: {a['unknown_trip_loops']} unknown-trip loops"
         )
