@@ -237,6 +237,21 @@ def check(cases: list[dict], layers: int) -> list[str]:
     return fails
 
 
+def policy_free(cases: list[dict]) -> list[str]:
+    """The decode step plans nothing, so every policy must compile it to the same operations
+    (a policy's work belongs to the window step); failures for (context, batch, mode) groups
+    whose steps differ."""
+    groups: dict[tuple, dict[str, int]] = {}
+    for r in cases:
+        if r["fn"] == "step":
+            groups.setdefault((r["context"], r["batch"], r["mode"]), {})[r["policy"]] = r["gpu_ops"]
+    return [
+        f"step ctx={k[0]} B={k[1]} {k[2]}: gpu_ops differ by policy {v}"
+        for k, v in groups.items()
+        if len(set(v.values())) > 1
+    ]
+
+
 # XLA's GPU codegen picks kernels by size (a long reduction becomes two kernels, a GEMM is
 # split along K, a large gather is not fused into its consumer), so the same loop-free program
 # executes more operations at a longer context: the 2-layer 8B shape's decode step 151 at 8k,
@@ -271,6 +286,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="2 layers, contexts 8k,32k, batch 1 (overrides those options)",
     )
+    ap.add_argument(
+        "--must-hold",
+        action="store_true",
+        help="issue 18's must-hold set on the full 32-layer shape, batch 1 (overrides the case "
+        "options): the decode step at 32k sparse under every policy, at 8k / 32k / 128k for "
+        "static sparse and exact, migrate and compact at 8k / 32k / 128k (about 25 min here)",
+    )
     ap.add_argument("--json", action="store_true", help='print {"cases": [...]} as JSON')
     ap.add_argument("--check", action="store_true", help="exit 1 if a must-hold check fails")
     args = ap.parse_args(argv)
@@ -289,6 +311,12 @@ def main(argv=None) -> int:
 
     # step depends on (mode, policy); migrate, compact, prefill only on the cache's shape
     jobs = []
+    if args.must_hold:
+        args.layers, contexts, batches, functions = 32, [], [], []
+        for ctx in (8192, 32768, 131072):
+            jobs.append((ctx, 1, modes[0], policies[0], ["migrate", "compact"], True))
+            jobs += [(ctx, 1, m, "static", ["step"], False) for m in MODES]
+        jobs += [(32768, 1, "sparse", p, ["step"], False) for p in POLICIES if p != "static"]
     for ctx in contexts:
         for b in batches:
             per_shape = [f for f in functions if f not in PER_POLICY]
@@ -323,6 +351,8 @@ def main(argv=None) -> int:
                 )
             )
     fails = check(rows, args.layers) if args.check else []
+    if args.check:
+        fails += policy_free(rows)
     if args.json:
         print(
             json.dumps(

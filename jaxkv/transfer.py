@@ -23,7 +23,6 @@ emulated in HBM) is read and written with plain device gathers / scatters under 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 
@@ -32,32 +31,9 @@ import jax.numpy as jnp
 
 from jaxkv.config import FETCH_OPTIONS
 from pallas_kernels import host_transfer as ht
+from pallas_kernels.common import compile_target, on_gpu, target_platform  # noqa: F401
 
 GPU_AUTO = "pallas"  # what "auto" means on a GPU; see the module docstring
-_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
-_target: str | None = None
-
-
-@contextlib.contextmanager
-def compile_target(platform: str):
-    """Traces inside this context choose mechanisms (and kernel compilation instead of the
-    interpreter) for `platform` ("gpu" / "cuda" / "cpu") instead of the default backend: for
-    ahead-of-time compiles for a GPU on a CPU machine (`jaxkv.gpu_compile`)."""
-    global _target
-    old, _target = _target, platform
-    try:
-        yield
-    finally:
-        _target = old
-
-
-def target_platform() -> str:
-    """The platform traces are for: `compile_target`'s, else the default backend."""
-    return _target or jax.default_backend()
-
-
-def on_gpu() -> bool:
-    return target_platform() in _GPU_PLATFORMS
 
 
 def resolve_fetch(fetch: str) -> str:

@@ -3,11 +3,37 @@ SMEM layouts for WGMMA operands, the bf16 (hi, lo) split of fp32 operands."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_target: str | None = None
+
+
+@contextlib.contextmanager
+def compile_target(platform: str):
+    """Traces inside this context take the branches for `platform` ("gpu" / "cuda" / "cpu")
+    where code would ask the default backend: compiled kernels instead of the interpreter,
+    `hopper_available`, jaxkv's transfer mechanism. For ahead-of-time compiles for a GPU on a
+    CPU machine (`jaxkv.gpu_compile`)."""
+    global _target
+    old, _target = _target, platform
+    try:
+        yield
+    finally:
+        _target = old
+
+
+def target_platform() -> str:
+    """The platform traces are for: `compile_target`'s, else the default backend."""
+    return _target or jax.default_backend()
+
+
+def on_gpu() -> bool:
+    return target_platform() in ("gpu", "cuda", "rocm")
 
 
 def hopper_available() -> bool:
@@ -15,8 +41,10 @@ def hopper_available() -> bool:
 
     For `impl="auto"` dispatch: elsewhere the kernels only run in the (slow) interpreter.
     """
-    if jax.default_backend() != "gpu":
+    if not on_gpu():
         return False
+    if _target is not None:  # an ahead-of-time compile: the targets are Hopper (sm_90) specs
+        return True
     cap = getattr(jax.devices()[0], "compute_capability", None)
     try:
         return float(cap) >= 9.0
@@ -36,7 +64,7 @@ def _interpret_params(interpret):
     if not isinstance(interpret, bool | None):
         return interpret
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = not on_gpu()
     if not interpret:
         return None
     params = getattr(plgpu, "InterpretGPUParams", None)

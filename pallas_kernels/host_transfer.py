@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.common import on_gpu
+
 MAX_CHUNK = 4096  # elements per program: 8 KiB of bf16, 16 KiB of fp32
 
 
@@ -62,7 +64,7 @@ def _triton_params():
 
 
 def _interpret(interpret) -> bool:
-    return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
+    return not on_gpu() if interpret is None else bool(interpret)
 
 
 def gather_rows_kernel(rows_ref, pool_ref, out_ref, *, chunk: int):
