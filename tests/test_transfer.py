@@ -103,7 +103,7 @@ _OPS = st.lists(
         st.tuples(st.just("compact"), st.just(0)),
     ),
     min_size=1,
-    max_size=12,
+    max_size=16,
 )
 
 
@@ -148,7 +148,7 @@ def _ops(cfg):
 @pytest.mark.parametrize(
     "fetch,kind", [("xla", "pinned_host"), ("pallas", "pinned_host"), ("auto", "device")]
 )
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=_OPS, lengths=st.tuples(st.integers(1, 8), st.integers(1, 8)))
 def test_bulk_paths_keep_every_block(fetch, kind, ops, lengths):
     cfg = _cfg(fetch, kind)
