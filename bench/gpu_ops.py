@@ -254,10 +254,11 @@ def policy_free(cases: list[dict]) -> list[str]:
 
 # XLA's GPU codegen picks kernels by size (a long reduction becomes two kernels, a GEMM is
 # split along K, a large gather is not fused into its consumer), so the same loop-free program
-# executes more operations at a longer context: the 2-layer 8B shape's decode step 151 at 8k,
-# 180 at 32k, 184 at 128k (exact, batch 1). With no loop in the program (checked too), nothing
-# can repeat per block; the band bounds what codegen may add.
-OPS_BAND = 0.25
+# executes more operations at a longer context: the 32-layer 8B decode step 1,468 / 1,730 /
+# 1,887 at 8k / 32k / 128k (exact, batch 1), 1,822 / 2,054 / 2,113 (sparse). With no loop in
+# the program (checked too), nothing can repeat per block; anything per block would grow with
+# the 16x the blocks from 8k to 128k. The band bounds what codegen may add.
+OPS_BAND = 0.5
 
 
 def ops_context_free(by_context: dict[int, int]) -> bool:
