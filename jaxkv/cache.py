@@ -24,16 +24,7 @@ import jax.numpy as jnp
 
 from jaxkv._pytree import pytree_dataclass, replace, static_field
 from jaxkv.config import HBM_KIND, TIER_HBM, TIER_HOST, TIER_NONE, CacheConfig
-from jaxkv.transfer import read_blocks, rows_of, write_blocks
-
-
-def _sharding(kind: str):
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
-
-
-def to_kind(x: jax.Array, kind: str) -> jax.Array:
-    """Places `x` in memory kind `kind` (works inside and outside jit)."""
-    return jax.device_put(x, _sharding(kind))
+from jaxkv.transfer import read_blocks, rows_of, to_kind, write_blocks
 
 
 @pytree_dataclass

@@ -45,8 +45,9 @@ def resolve_fetch(fetch: str) -> str:
     return GPU_AUTO if on_gpu() else "xla"
 
 
-def _sharding(kind: str):
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+def to_kind(x: jax.Array, kind: str) -> jax.Array:
+    """Places `x` in memory kind `kind` (works inside and outside jit)."""
+    return jax.device_put(x, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind))
 
 
 def rows_of(layer, slot, valid, slots_per_layer: int):
@@ -114,8 +115,8 @@ def read_blocks(pool, rows, fetch: str, *, pool_kind: str):
     elif resolve_fetch(fetch) == "pallas":
         out = ht.gather_rows(flat, rows, interpret=True)
     else:  # "xla": the gather runs where its operands live, the result then moves to HBM
-        safe = jax.device_put(jnp.maximum(rows, 0), _sharding(pool_kind))
-        out = jax.device_put(flat[safe], _sharding("device"))
+        safe = to_kind(jnp.maximum(rows, 0), pool_kind)
+        out = to_kind(flat[safe], "device")
         out = jnp.where((rows >= 0)[:, None], out, jnp.zeros((), out.dtype))
     return out.reshape(rows.shape[0], *pool.shape[2:])
 
@@ -142,9 +143,8 @@ def write_blocks(pool, rows, blocks, fetch: str, *, pool_kind: str, after_reads=
         # the kernel writes the (aliased) host buffer in place; the device_put only tells JAX
         # that the result lives in host memory, as the pool did
         out = ht.scatter_rows(flat, rows, vals, interpret=not on_gpu())
-        out = jax.device_put(out, _sharding(pool_kind))
+        out = to_kind(out, pool_kind)
     else:
-        kind = _sharding(pool_kind)
-        safe = jax.device_put(jnp.where(rows >= 0, rows, flat.shape[0]), kind)  # -> dropped
-        out = flat.at[safe].set(jax.device_put(vals, kind), mode="drop", unique_indices=True)
+        safe = to_kind(jnp.where(rows >= 0, rows, flat.shape[0]), pool_kind)  # -> dropped
+        out = flat.at[safe].set(to_kind(vals, pool_kind), mode="drop", unique_indices=True)
     return out.reshape(pool.shape)
