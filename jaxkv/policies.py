@@ -92,6 +92,52 @@ def top_capacity(score: jax.Array, valid: jax.Array, capacity: int) -> jax.Array
     return picked & valid
 
 
+def follow_moves(in_hbm, valid, reads, target, priority, room, budget: int):
+    """The per-step rule of a `follow` policy (`Anneal.follow`), vectorized over rows (layers).
+
+    Promotes the blocks this step reads from host that the window's target marks for HBM, the
+    highest `priority` first, at most `budget`; to make room beyond the `room` free slots it
+    demotes resident blocks the target leaves out and this step does not read, the lowest
+    priority first. Nothing else moves: a demotion happens only for a promotion.
+
+    Args:
+      in_hbm, valid, reads, target: [rows, N] bool: resident (sealed, in HBM), placeable, read
+        at this step, in the window's target.
+      priority: [rows, N] float32: expected reads over the window (`AnnealPolicyState.priority`).
+      room: [rows] int: free HBM slots.
+      budget: static bound on the promotions (and so demotions) per row.
+    Returns:
+      (promote, num_promote, demote, num_demote): [rows, K] int32 block indices, the first
+      num_* [rows] int32 of each valid (K = min(budget, N)).
+    """
+    rows, n = in_hbm.shape
+    k = max(0, min(int(budget), n))
+    if k == 0:
+        z = jnp.zeros((rows, 0), jnp.int32)
+        zn = jnp.zeros((rows,), jnp.int32)
+        return z, zn, z, zn
+    pri = priority.astype(jnp.float32)
+    cand = reads & valid & ~in_hbm & target
+    victim = in_hbm & valid & ~target & ~reads
+    _, pro = jax.lax.top_k(jnp.where(cand, pri, -jnp.inf), k)
+    _, dem = jax.lax.top_k(jnp.where(victim, -pri, -jnp.inf), k)
+    n_c = jnp.minimum(jnp.sum(cand, axis=-1), k)
+    n_v = jnp.minimum(jnp.sum(victim, axis=-1), k)
+    room = jnp.maximum(jnp.asarray(room, jnp.int32), 0)
+    n_d = jnp.minimum(jnp.maximum(n_c - room, 0), n_v)
+    n_p = jnp.minimum(n_c, room + n_d)
+    i32 = jnp.int32
+    return pro.astype(i32), n_p.astype(i32), dem.astype(i32), n_d.astype(i32)
+
+
+def moves_mask(idx, count, n: int):
+    """[rows, n] bool of the first `count` [rows] entries of the index lists `idx` [rows, K]."""
+    rows, k = idx.shape
+    ok = jnp.arange(k)[None] < count[:, None]
+    r = jnp.arange(rows)[:, None]
+    return jnp.zeros((rows, n), bool).at[r, jnp.where(ok, idx, n)].set(True, mode="drop")
+
+
 @dataclasses.dataclass(frozen=True)
 class Static:
     """Fill HBM in write order, spill the rest to host, never migrate."""
@@ -220,6 +266,10 @@ class AnnealPolicyState:
     last_promoted: jax.Array  # [layers, N] bool: blocks promoted at the last plan
     plans: jax.Array  # [] int32
     compensations: jax.Array  # [] int32: windows whose forecast error exceeded the threshold
+    # the last plan's target and each block's expected reads over its window (`follow`: what
+    # the per-step rule `follow_moves` promotes and the order it demotes in)
+    target: jax.Array  # [layers, N] bool
+    priority: jax.Array  # [layers, N] float32
 
 
 FORECASTS = ("ema", "reuse", "learned", "oracle", "visits")
@@ -333,6 +383,14 @@ class Anneal:
       finds overflowing or link-bound still takes the whole-visit value (there the dual's
       values, from a relaxation that can split a block, did worse: recency-high 0.6, 512
       steps, 1.948 against 1.798 x Unlimited).
+    follow: the plan is a target, not a migration: every `window` steps the annealer plans all
+      layers together, between steps, and the caller keeps its target (state.target) and each
+      block's expected reads over the window (state.priority); at every step, per layer,
+      `follow_moves` then promotes the host blocks the step reads that the target marks for HBM
+      (the read carries the block over the link: the HBM write is the only extra cost) and
+      demotes, only to make room for them, the resident blocks the target leaves out, least
+      expected first. What runs on a layer's critical path is that vector rule alone; the
+      plan is priced as `now`'s later steps are (`ride` 1, `spread`). Online forecasts only.
     The energy model (profile, block bytes, weights, demotion cost) should match the cost model
     the policy is judged by; the simulator passes its own.
     """
@@ -369,6 +427,7 @@ class Anneal:
     now: bool = False
     spread: float = 0.0
     dual: bool = False
+    follow: bool = False
     prompt_len: int = 0
     block_size: int = 16
     seed: int = 0
@@ -400,6 +459,12 @@ class Anneal:
             raise ValueError(
                 f"Anneal now=True refines an online forecast ('ema' or 'reuse'), got "
                 f"{self.forecast!r}"
+            )
+        if self.follow and (self.now or self.forecast not in ("ema", "reuse")):
+            raise ValueError(
+                "Anneal follow=True plans a target from an online forecast ('ema' or 'reuse') "
+                f"and cannot be combined with now=True; got forecast={self.forecast!r}, "
+                f"now={self.now!r}"
             )
         if not 0.0 <= self.spread < float("inf"):
             raise ValueError(f"Anneal spread must be finite and >= 0, got {self.spread!r}")
@@ -496,6 +561,8 @@ class Anneal:
             last_promoted=jnp.zeros((num_layers, num_blocks), bool),
             plans=jnp.int32(0),
             compensations=jnp.int32(0),
+            target=jnp.zeros((num_layers, num_blocks), bool),
+            priority=jnp.zeros((num_layers, num_blocks), jnp.float32),
         )
 
     def next_window(self, state: AnnealPolicyState):
@@ -689,6 +756,8 @@ class Anneal:
                 last_promoted=target & ~obs.in_hbm,
                 plans=state.plans + 1,
                 compensations=compensations,
+                target=target,
+                priority=jnp.sum(a, axis=0) * obs.valid,
             ),
             target,
         )
@@ -738,21 +807,22 @@ POLICIES: dict[str, Callable[..., Policy]] = {
 NOW_WINDOW = 3
 NOW_SPREAD = 1.5
 # the modifiers of `anneal` and `anneal-oracle` names, as in "anneal+reuse+now"
-MODIFIERS = ("aw", "ec", "reuse", "now", "visits", "dual")
+MODIFIERS = ("aw", "ec", "reuse", "now", "follow", "visits", "dual")
 
 
 def split_name(name: str) -> tuple[str, tuple[str, ...]]:
     """(base, modifiers) of a policy name such as "anneal+reuse+now", validated.
 
     `anneal` and `anneal-oracle` take +aw (the seed's adaptive window) and +ec (forecast-error
-    compensation); `anneal` also +reuse (the re-read law) and +now (the step's own read set);
+    compensation); `anneal` also +reuse (the re-read law), +now (the step's own read set) or
+    +follow (a target planned between steps, followed by a per-step rule: `Anneal.follow`);
     `anneal-oracle` also +visits and +dual. Raises ValueError naming the valid choices.
     """
     base, *mods = name.split("+")
     if base not in POLICIES:
         raise ValueError(
             f"unknown policy {name!r}; expected one of {sorted(POLICIES)} "
-            "(anneal / anneal-oracle take +aw, +ec; anneal also +reuse, +now; anneal-oracle "
+            "(anneal / anneal-oracle take +aw, +ec; anneal also +reuse, +now, +follow; anneal-oracle "
             "+visits, +dual)"
         )
     if mods and base not in ("anneal", "anneal-oracle"):
@@ -764,9 +834,14 @@ def split_name(name: str) -> tuple[str, tuple[str, ...]]:
     if bad:
         raise ValueError(
             f"policy {name!r}: unknown modifier {bad[0]!r}; expected 'aw', 'ec', 'reuse', 'now', "
-            "'visits' or 'dual'"
+            "'follow', 'visits' or 'dual'"
         )
-    for m in ("reuse", "now"):
+    if {"now", "follow"} <= set(mods):
+        raise ValueError(
+            f"policy {name!r}: +now plans each step, +follow plans a target between steps and "
+            "follows it: choose one"
+        )
+    for m in ("reuse", "now", "follow"):
         if m in mods and base != "anneal":
             raise ValueError(f"policy {name!r}: +{m} refines the online forecast, for anneal only")
     if "visits" in mods and base != "anneal-oracle":
@@ -795,6 +870,9 @@ def modifier_kwargs(mods) -> dict:
         # pricing of ride = 1), and it prices the later steps at their expected time under the
         # forecast's spread
         kw.update(now=True, ride=1.0, spread=NOW_SPREAD)
+    if "follow" in mods:
+        # the per-step rule promotes a target block at its first read: the same pricing
+        kw.update(follow=True, ride=1.0, spread=NOW_SPREAD)
     return kw
 
 
