@@ -5,7 +5,8 @@ Per decode step t (context P + t + 1 tokens, P = prompt length):
   1. the block sealed at this step (if any) goes to HBM when the layer's pool has a free slot,
      else to host (write order, as after prefill);
   2. at a plan step (every W steps, W per policy, adaptive for `+aw`) the policy sees an
-     Observation (oracles also the true reads of the next steps) and returns a target; moving to
+     Observation (oracles also the true reads of the next steps) and returns a target (`+follow`:
+     a target the step's rule follows, see below; nothing moves at the plan); moving to
      it costs, per block, an HBM write plus a link read for a promotion (no separate link read
      when the block is read from host at this step, as in the paper: the promotion rides on the
      read, which counts as a host read; a block read at an earlier step crosses again, as in the
@@ -23,13 +24,22 @@ policy, planning inside it with `lax.cond`; the reads of a chunk are computed on
 Policy names: those of `jaxkv.policies.POLICIES`, with modifiers for `anneal` / `anneal-oracle`:
 `+aw` (adaptive window) and `+ec` (forecast-error compensation), e.g. `anneal+aw+ec`; `anneal`
 also takes `+reuse` (the re-read law learned online as its forecast, `importance.reuse_forecast`,
-with the reads it cannot place charged to the link: `Anneal.unforeseen`) and `+now` (the plan
-sees the read set of the step it plans for, Page's one-step lookahead: `Anneal.now`, priced with
-`ride` 1 and its later steps at their expected time, `Anneal.spread` = `now_spread`), and
-`anneal-oracle` takes `+visits` (a diagnostic: the oracle told only how long each visit in
-progress lasts, not when one starts, `importance.visits_forecast`: how much of the online
-planners' gap no forecast of visit lengths can close) and `+dual` (the value of a block after
-the oracle's window from the LP relaxation's dual prices over the whole run,
+with the reads it cannot place charged to the link: `Anneal.unforeseen`), `+now` (the plan sees
+the read set of the step it plans for, Page's one-step lookahead: `Anneal.now`, priced with
+`ride` 1 and its later steps at their expected time, `Anneal.spread` = `now_spread`) or
+`+follow` (`Anneal.follow`, what the decode loop runs in place of `+now`, whose annealer would
+sit on each layer's critical path: every `follow_window` steps the annealer plans a target for
+all layers between steps and nothing moves then; at every step the vector rule
+`jaxkv.policies.follow_moves` promotes, per layer, the host blocks the step reads that the
+target marks for HBM, each charged one block of HBM write and no link transfer, the read that
+carries it being a host read, and demotes, only to make room beyond the free slots, resident
+blocks the target leaves out and the step does not read, least expected reads first, each
+charged `demote_cost` x block bytes on each side; priced like `+now`'s later steps, `ride` 1 and
+`spread` `NOW_SPREAD`; `rule_seconds` is the rule's measured time over the run, not charged in
+`vs_unlimited_with_plan`); `anneal-oracle` takes `+visits` (a diagnostic: the oracle told only
+how long each visit in progress lasts, not when one starts, `importance.visits_forecast`: how
+much of the online planners' gap no forecast of visit lengths can close) and `+dual` (the value
+of a block after the oracle's window from the LP relaxation's dual prices over the whole run,
 `jaxkv.lp_bound.dual_values`, in place of Belady's next read; solved once before the run).
 `paper-sa` runs every (lookahead, fraction) pair of `PAPER_SA_GRID` and reports the best (the
 oracle tuning of its two knobs). `unlimited` is the bound of `jaxkv.cost.unlimited_step_time`.
@@ -70,8 +80,10 @@ from jaxkv.policies import (
     POLICIES,
     Observation,
     Static,
+    follow_moves,
     get_policy,
     modifier_kwargs,
+    moves_mask,
     split_name,
 )
 from jaxkv.trace import read_mask
@@ -81,6 +93,12 @@ NEVER = 1 << 30
 # W of `anneal-oracle+dual`: 2 beat 3 and 1 on recency-high 0.8, recency-low 0.6 and patterns
 # 0.6 at 300 steps (bench/RESULTS.md)
 DUAL_WINDOW = 2
+# W of the `+follow` policies (steps between their plans and their lookahead): 16 had the best
+# vs_unlimited_with_plan of 4, 8, 16 (4 layers, 512 steps, recency-low / patterns / real-like at
+# 0.5 / 0.6 / 0.8), only because the plan time measured on the CPU (about 14 / 23 / 41 ms per
+# plan) dwarfs the modeled GPU step; without planning 4 beat 8 and 16 in every cell
+# (bench/notebook/2026-12-01-follow.md)
+FOLLOW_WINDOW = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +138,12 @@ class SimState:
     migrated: jax.Array  # [] float32: blocks moved in this chunk
     plans: jax.Array  # [] int32: plans in this chunk
     policy: Any = static_field(default=None)
+
+
+def _admit(policy) -> dict:
+    """`follow_moves`'s admit rule of a follow policy, where the policy has one."""
+    a = getattr(policy, "follow_admit", None)
+    return {} if a is None else {"admit": a}
 
 
 def _window_of(policy, pstate):
@@ -175,6 +199,7 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0, va
     horizon = getattr(policy, "horizon", 1)
     needs = getattr(policy, "needs_forecast", False)
     needs_values = getattr(policy, "needs_values", False)
+    follow = getattr(policy, "follow", False)
     if needs_values and values is None:
         raise ValueError(f"policy {policy.name!r} needs the dual's values (run_chunk values=)")
     blk = jnp.arange(N)
@@ -218,6 +243,11 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0, va
                 capacity=s.capacity,
             )
             pstate, target = policy.plan(pstate, obs)
+            stats = dataclasses.replace(stats, window_reads=jnp.zeros_like(stats.window_reads))
+            nxt = t + jnp.maximum(_window_of(policy, pstate), 1)
+            if follow:  # the plan is a target (pstate.target) for the per-step rule: no move
+                zl = jnp.zeros((L,), jnp.float32)
+                return in_hbm, stats, pstate, zl, zl, z, nxt, 1, jnp.zeros_like(in_hbm)
             target = target & valid
             pro = target & ~in_hbm
             dem = in_hbm & ~target
@@ -228,8 +258,6 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0, va
             now = pro & reads_buf[c] & ~kept
             mig_l = b * (jnp.sum(pro & ~now & ~kept, -1) + s.demote_cost * jnp.sum(dem, -1))
             moved = jnp.sum(pro) + jnp.sum(dem)
-            stats = dataclasses.replace(stats, window_reads=jnp.zeros_like(stats.window_reads))
-            nxt = t + jnp.maximum(_window_of(policy, pstate), 1)
             return target, stats, pstate, mig_h, mig_l, moved.astype(jnp.float32), nxt, 1, now
 
         def skip(args):
@@ -241,6 +269,22 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0, va
             t >= st.next_plan, plan, skip, (in_hbm, st.stats, st.pstate)
         )
         r = reads_buf[c]  # [L, N]
+        if follow:
+            # every step: promote the blocks this step reads from host that the target marks
+            # for HBM (the read carries them over the link: an HBM write each, and the read is
+            # a host read), demoting unread blocks the target leaves out only to make room
+            budget = policy.budget if policy.budget is not None else N
+            room = s.capacity - jnp.sum(in_hbm, axis=-1)
+            pro_i, n_p, dem_i, n_d = follow_moves(
+                in_hbm, valid, r, pstate.target, pstate.priority, room, budget, **_admit(policy)
+            )
+            pro, dem = moves_mask(pro_i, n_p, N), moves_mask(dem_i, n_d, N)
+            in_hbm = (in_hbm | pro) & ~dem
+            now = now | pro
+            n_dem = jnp.sum(dem, -1).astype(jnp.float32)
+            mig_h = mig_h + b * (jnp.sum(pro, -1) + s.demote_cost * n_dem)
+            mig_l = mig_l + b * s.demote_cost * n_dem
+            moved = moved + jnp.sum(n_p) + jnp.sum(n_d)
         n_hbm = jnp.sum(r & in_hbm & ~now, axis=-1).astype(jnp.float32)
         n_all = jnp.sum(r, axis=-1).astype(jnp.float32)
         tail = s.token_bytes * ((s.prompt_len + t) % s.block_size + 1)
@@ -391,6 +435,34 @@ def _time_plan(policy, state: SimState, setup: Setup, reads_buf, t, repeats: int
     return best
 
 
+def _time_rule(policy, state: SimState, setup: Setup, reads_buf, t, repeats: int = 5) -> float:
+    """Seconds of one compiled `follow_moves` over all layers (a `follow` policy's per-step
+    rule) on the run's last state (best of `repeats`)."""
+    valid = jnp.broadcast_to(
+        jnp.arange(setup.num_blocks) < (setup.prompt_len + t) // setup.block_size,
+        state.in_hbm.shape,
+    )
+    budget = policy.budget if policy.budget is not None else setup.num_blocks
+    n = setup.num_blocks
+
+    def rule(in_hbm, reads, target, priority):
+        room = setup.capacity - jnp.sum(in_hbm, axis=-1)
+        p, n_p, d, n_d = follow_moves(
+            in_hbm, valid, reads, target, priority, room, budget, **_admit(policy)
+        )
+        return (in_hbm | moves_mask(p, n_p, n)) & ~moves_mask(d, n_d, n)
+
+    fn = jax.jit(rule)
+    args = (state.in_hbm, reads_buf[0], state.pstate.target, state.pstate.priority)
+    jax.block_until_ready(fn(*args))
+    best = math.inf
+    for _ in range(repeats):
+        t1 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t1)
+    return best
+
+
 def pool_capacity(trace, geometry: cost.Geometry, hbm_budget: float, capacity_blocks=None):
     """(geometry with the trace's layer count, HBM pool blocks per layer): `capacity_blocks`
     when given, else what the budget leaves for KV after the weights, less the tail block."""
@@ -424,6 +496,7 @@ def simulate(
     oracle_discount: float = 0.4,
     oracle_tail: int = 30,
     dual_window: int = DUAL_WINDOW,
+    follow_window: int = FOLLOW_WINDOW,
     ride: float = 0.0,
     anneal_config: AnnealConfig | None = None,
     paper_sa_grid=PAPER_SA_GRID,
@@ -464,6 +537,8 @@ def simulate(
         more blocks than the pool holds, give every block it reads the value of all its reads
         there (`jaxkv.policies.Anneal.tail`, `overflow_value`; 0 = off).
       dual_window: W of `anneal-oracle+dual` (its discount is oracle_discount).
+      follow_window: W of the `+follow` policies: they plan a target every W steps (interval 0)
+        over a W-step window and follow it at every step (`jaxkv.policies.follow_moves`).
       ride: the anneal policies' receding-horizon pricing (`jaxkv.policies.Anneal.ride`).
       anneal_config: schedule of the anneal policies.
       paper_sa_grid: (lookaheads, fractions) searched for paper-sa.
@@ -504,6 +579,7 @@ def simulate(
     for n in names:
         oracle = n.startswith("anneal-oracle")
         dual = oracle and "+dual" in n
+        follow = n.startswith("anneal") and "follow" in split_name(n)[1]
         pols[n] = make_policy(
             n,
             setup,
@@ -515,9 +591,11 @@ def simulate(
                 if oracle
                 else now_window
                 if "+now" in n
+                else follow_window
+                if follow
                 else window
             ),
-            interval=interval,
+            interval=0 if follow else interval,
             discount=oracle_discount if oracle else discount,
             seed=seed,
             **(dict(tail=oracle_tail) if oracle and oracle_tail else {}),
@@ -622,6 +700,13 @@ def simulate(
             plan_seconds=per_plan * a["plans"],
             sim_seconds=a["wall"],
         )
+        if getattr(pols[n], "follow", False):
+            # the per-step rule, not charged in vs_unlimited_with_plan: it runs on the layer's
+            # critical path in the decode loop, here timed once per step for all layers
+            per_rule = (
+                _time_rule(pols[n], states[n], setup, reads, n_steps - 1) if time_plans else 0.0
+            )
+            out[n]["rule_seconds"] = per_rule * n_steps
         if getattr(pols[n], "needs_values", False):
             out[n]["dual_seconds"] = dual_wall  # the LP dual over the whole run, before it
     sa = [n for n in names if n.startswith("paper-sa[") and n not in policies]

@@ -7,7 +7,7 @@ import json
 from jaxkv import cost
 from jaxkv import trace as tr
 from jaxkv.config import AnnealConfig, HardwareProfile
-from jaxkv.simulate import DUAL_WINDOW, NOW_SPREAD, simulate
+from jaxkv.simulate import DUAL_WINDOW, FOLLOW_WINDOW, NOW_SPREAD, simulate
 
 
 def format_table(result: dict) -> str:
@@ -104,6 +104,13 @@ def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> 
         "LP dual: jaxkv.lp_bound.dual_values)",
     )
     p.add_argument(
+        "--follow-window",
+        type=int,
+        default=FOLLOW_WINDOW,
+        help="anneal+follow: steps between its plans, and their lookahead W (between plans a "
+        "per-step rule follows the target: jaxkv.policies.follow_moves)",
+    )
+    p.add_argument(
         "--ride",
         type=float,
         default=0.0,
@@ -140,6 +147,7 @@ def simulation_kwargs(args) -> dict:
         oracle_discount=args.oracle_discount,
         oracle_tail=args.oracle_tail,
         dual_window=args.dual_window,
+        follow_window=args.follow_window,
         ride=args.ride,
         anneal_config=AnnealConfig(chains=args.chains),
         seed=args.seed,

@@ -1,6 +1,8 @@
 """Simulator: hand-computed latencies, no policy beats unlimited, the CLI."""
 
+import inspect
 import json
+import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxkv import cli, cost
+from jaxkv import policies as pol
 from jaxkv import simulate as sim
 from jaxkv import trace as tr
 from jaxkv.config import AnnealConfig, HardwareProfile
@@ -98,6 +101,7 @@ NAMES = [
     "anneal+aw+ec",
     "anneal+reuse",
     "anneal+reuse+now",
+    "anneal+reuse+follow",
 ]
 
 
@@ -223,7 +227,8 @@ def test_cli_unknown_policy_lists_names(capsys):
 def test_unknown_modifier():
     with pytest.raises(
         ValueError,
-        match=r"unknown modifier 'xx'; expected 'aw', 'ec', 'reuse', 'now', 'visits' or 'dual'",
+        match=r"unknown modifier 'xx'; expected 'aw', 'ec', 'reuse', 'now', 'follow', 'visits' "
+        r"or 'dual'",
     ):
         run(["anneal+xx"])
     for bad in ("anneal+dual", "anneal-oracle+visits+dual", "anneal-oracle+aw+dual"):
@@ -235,6 +240,10 @@ def test_unknown_modifier():
         run(["anneal+visits"])
     with pytest.raises(ValueError, match=r"\+now refines the online forecast, for anneal only"):
         run(["anneal-oracle+now"])
+    with pytest.raises(ValueError, match=r"\+follow refines the online forecast, for anneal only"):
+        run(["anneal-oracle+follow"])
+    with pytest.raises(ValueError, match=r"choose one"):
+        run(["anneal+reuse+now+follow"])
 
 
 def test_dual_oracle_runs_on_the_dual_values_and_reports_their_time():
@@ -309,6 +318,135 @@ def test_now_promotes_a_visit_at_its_first_read():
     assert pol.now and pol.ride == 1.0 and pol.forecast == "reuse" and pol.horizon == 1
     assert pol.spread == sim.NOW_SPREAD > 0
     assert sim.make_policy("anneal+reuse", sim.Setup(8, 1, 1, 13, 2, 4, 10.0, PROF)).spread == 0
+
+
+# the rule as the target follows it literally (`follow_moves` may take other admit rules)
+LITERAL = {"admit": "target"} if "admit" in inspect.signature(pol.follow_moves).parameters else {}
+
+
+def test_follow_moves_hand_computed():
+    # 8 blocks, blocks 0..3 resident; the step reads 1, 4, 5, 6; the target marks 1, 3, 4, 5, 7
+    # (row 0) or also 0 (row 1). Candidates (read, on host, in the target): 5 (priority 4) then
+    # 4 (priority 1); block 6 is read but not in the target. Victims (resident, out of the
+    # target, unread): row 0 blocks 2 (priority 0.1) then 0 (0.5); row 1 block 2 only
+    T, F = True, False
+    in_hbm = jnp.asarray([[T, T, T, T, F, F, F, F]] * 2)
+    valid = jnp.ones((2, 8), bool)
+    reads = jnp.asarray([[F, T, F, F, T, T, T, F]] * 2)
+    target = jnp.asarray([[F, T, F, T, T, T, F, T], [T, T, F, T, T, T, F, T]])
+    pri = jnp.asarray([[0.5, 3.0, 0.1, 2.0, 1.0, 4.0, 9.0, 5.0]] * 2)
+
+    def moves(room, budget):
+        p, n_p, d, n_d = pol.follow_moves(
+            in_hbm, valid, reads, target, pri, jnp.asarray(room), budget, **LITERAL
+        )
+        pm, dm = pol.moves_mask(p, n_p, 8), pol.moves_mask(d, n_d, 8)
+        assert not np.any(np.asarray(pm & dm))
+        got = []
+        for r in range(2):
+            got.append(
+                (
+                    [int(i) for i in np.asarray(p[r, : int(n_p[r])])],
+                    [int(i) for i in np.asarray(d[r, : int(n_d[r])])],
+                )
+            )
+        return got
+
+    # room 0: a demotion per promotion; row 1 has a single victim, so it promotes the best only
+    assert moves([0, 0], 8) == [([5, 4], [2, 0]), ([5], [2])]
+    # room 1: one promotion takes the free slot, the other needs the least-expected victim
+    assert moves([1, 1], 8) == [([5, 4], [2]), ([5, 4], [2])]
+    # room 2: no demotion at all
+    assert moves([2, 2], 8) == [([5, 4], []), ([5, 4], [])]
+    # budget 1 below the 2 candidates: the best candidate, and a victim only without room
+    assert moves([0, 1], 1) == [([5], [2]), ([5], [])]
+    # budget 0: nothing moves
+    p, n_p, d, n_d = pol.follow_moves(
+        in_hbm, valid, reads, target, pri, jnp.asarray([0, 3]), 0, **LITERAL
+    )
+    assert p.shape == d.shape == (2, 0)
+    assert np.asarray(n_p).tolist() == np.asarray(n_d).tolist() == [0, 0]
+    assert not np.any(np.asarray(pol.moves_mask(p, n_p, 8)))
+
+
+def _follow_trace():
+    return tr.SyntheticTrace("recency-low", 40, 16, 2, 4, seed=3)
+
+
+def test_follow_policy_step_by_step():
+    """At every step a follow policy holds at most capacity blocks per layer, promotes only
+    blocks read at that step and in the target, demotes only when it promotes, and moves nothing
+    at its plan steps beyond that rule; the promoted block's read is a host read."""
+    trace, cap, sparsity, W = _follow_trace(), 3, 0.5, 4
+    # the toy model's slow link makes placement matter (with the paper's weights the plan sees
+    # the step HBM-bound whatever it places, and leaves its target empty)
+    prof, geo = PROF, GEO
+    setup = sim.Setup(
+        trace.prompt_len,
+        trace.block_size,
+        trace.num_layers,
+        trace.num_blocks,
+        cap,
+        geo.token_bytes,
+        float(geo.weight_bytes),
+        prof,
+    )
+    lit = {"follow_admit": "target"} if LITERAL else {}
+    policy = sim.make_policy(
+        "anneal+reuse+follow", setup, anneal_config=FAST, window=W, interval=0, **lit
+    )
+    assert policy.follow and policy.forecast == "reuse" and not policy.needs_forecast
+    steps = trace.steps
+    mass = trace.mass(0, steps + 1)
+    reads = np.asarray(sim.read_mask(mass, trace.prompt_len, trace.block_size, sparsity, 0))
+    state = sim.init_state(policy, setup)
+    blk = np.arange(trace.num_blocks)
+    promoted = demoted = plans = 0
+    for t in range(steps):
+        before = np.asarray(state.in_hbm)
+        sealed = (trace.prompt_len + t) // trace.block_size
+        new = t > 0 and sealed > (trace.prompt_len + t - 1) // trace.block_size
+        free = before.sum(-1) < cap
+        before = before | ((blk == sealed - 1)[None] & new & free[:, None])
+        state = sim.run_chunk(
+            setup, 1, state, jnp.asarray(reads[t : t + 2]), mass[t : t + 2], jnp.int32(t)
+        )
+        after, target = np.asarray(state.in_hbm), np.asarray(state.pstate.target)
+        pro, dem = after & ~before, before & ~after
+        assert (after.sum(-1) <= cap).all(), t  # (a)
+        assert (dem.sum(-1) <= pro.sum(-1)).all(), t  # (b) a demotion only for a promotion
+        assert not (pro & ~(reads[t] & target)).any(), t  # (c)
+        assert not (dem & (reads[t] | target)).any(), t
+        assert int(state.plans) == (t % W == 0), t
+        assert float(state.migrated) == pro.sum() + dem.sum()
+        # a promoted block is read from host at this step: HBM reads are those resident before
+        assert float(state.hbm_reads) == (reads[t] & before).sum()
+        promoted, demoted, plans = promoted + pro.sum(), demoted + dem.sum(), plans + state.plans
+    assert promoted > 0 and demoted > 0  # the trace exercises both moves
+    assert plans == math.ceil(steps / W)
+
+
+@pytest.mark.parametrize("W, chunk", [(4, 5), (3, 16), (16, 6)])
+def test_follow_plans_every_window(W, chunk):
+    steps = 14
+    res = sim.simulate(
+        _follow_trace(),
+        ["anneal+reuse+follow", "unlimited"],
+        profile=PROF,
+        geometry=GEO,
+        sparsity=0.5,
+        capacity_blocks=3,
+        chunk=chunk,
+        steps=steps,
+        follow_window=W,
+        anneal_config=FAST,
+        progress=False,
+        time_plans=False,
+    )["policies"]
+    f = res["anneal+reuse+follow"]
+    assert f["plans"] == math.ceil(steps / W)  # (d)
+    assert f["latency_s"] >= res["unlimited"]["latency_s"] * (1 - 1e-6)
+    assert f["rule_seconds"] == 0.0 and f["plan_seconds"] == 0.0
 
 
 def test_modifier_on_wrong_policy():
