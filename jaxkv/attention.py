@@ -176,13 +176,14 @@ def tiered_attention(
     scale=None,
     impl: str = "auto",
     selected=None,
+    return_staging: bool = False,
 ):
     """Decode attention of one layer over both tiers.
 
     Args:
       q: [batch, q_heads, head_dim] queries of the current token.
       cache: the cache, already holding the current token's K and V (see `write_token`).
-      layer: python int.
+      layer: python int or traced int32 scalar (the decode loop's scan over layers).
       lengths: [batch] int32 tokens per sequence including the current one (0 for a sequence
         that is not decoding; it attends nothing and gets zeros).
       placement: attention mode and sparse-selection parameters.
@@ -190,8 +191,11 @@ def tiered_attention(
       impl: "auto" | "xla" | "pallas".
       selected: [batch, max_blocks] bool, this step's `select_blocks` when the caller has it
         already (it depends on the logical blocks only, so a migration does not change it).
+      return_staging: also return what the host read fetched (`fetch_host_blocks`: staging
+        K, V and the staging slot of each selected host block), e.g. to promote fetched
+        blocks to HBM without reading them again.
     Returns:
-      out [batch, q_heads, head_dim] f32 and AttentionStats.
+      out [batch, q_heads, head_dim] f32 and AttentionStats (and the staging triple).
     """
     c = cache.config
     B, H, D = q.shape
@@ -222,7 +226,8 @@ def tiered_attention(
         blse = jnp.where(read_host[:, None, :], blse_d, blse_h)  # [B, H, M]
         safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
         mass = jnp.where(selected[:, None], jnp.exp(blse - safe[..., None]), 0.0).sum(axis=1)
-    return out, AttentionStats(read_hbm=read_hbm, read_host=read_host, mass=mass)
+    stats = AttentionStats(read_hbm=read_hbm, read_host=read_host, mass=mass)
+    return (out, stats, (sk, sv, stable)) if return_staging else (out, stats)
 
 
 def dense_attention_reference(q, k, v, lengths, *, scale=None):

@@ -438,7 +438,7 @@ def _nth(r, first_list, first_count, then_list):
 
 
 def migrate(
-    cache: TieredKVCache, moves: Moves, layers=None, *, after_reads=None
+    cache: TieredKVCache, moves: Moves, layers=None, *, after_reads=None, fetched=None
 ) -> tuple[TieredKVCache, jax.Array]:
     """Applies `moves`: per layer its demotions (HBM -> host), then its promotions
     (host -> HBM), all of them in one bulk read and one bulk write per pool and direction.
@@ -458,6 +458,10 @@ def migrate(
       after_reads: results of the caller's earlier reads of the host pools (e.g. the
         attention outputs of the layers already read this step), which the in-place host
         writes must follow (`jaxkv.transfer.after`); None if there are none.
+      fetched: (k, v), each [layers, P, block_size, kv_heads, head_dim] on the device: the
+        contents of the blocks `moves.promote` lists (entry by entry, P its width), already
+        read from host by the caller (the decode loop's host read of this step); the
+        promotions then write them to HBM without reading the host pool again. None: read.
     Returns:
       (new cache, [layers] int32 number of blocks actually moved; 0 outside `layers`).
     """
@@ -483,6 +487,11 @@ def migrate(
     d_blk, d_ok = _moves_applying(moves.demote[ls], moves.num_demote[ls], sealed, tier, TIER_HBM)
     p_blk, p_ok = _moves_applying(moves.promote[ls], moves.num_promote[ls], sealed, tier, TIER_HOST)
     d_blk, n_d = _compacted(d_ok, d_blk)
+    if fetched is not None:  # which listed entry each compacted promotion came from
+        K_in = moves.promote.shape[1]
+        p_from = _compacted(p_ok, jnp.broadcast_to(jnp.arange(K_in, dtype=jnp.int32), p_ok.shape))[
+            0
+        ]
     p_blk, n_p = _compacted(p_ok, p_blk)
     Kd, Kp = d_blk.shape[1], p_blk.shape[1]
     host_list, n_host_free = first_free(host_free, Kd + Kp)
@@ -517,10 +526,22 @@ def migrate(
 
     # data: every read first (host -> device, HBM -> device), then the writes
     kind = c.host_memory_kind
-    p_rows = rows_of(lay, p_src, p_ok, c.host_blocks).reshape(-1)
-    pk = read_blocks(cache.host_k, p_rows, c.fetch, pool_kind=kind)
-    pv = read_blocks(cache.host_v, p_rows, c.fetch, pool_kind=kind)
     blk = cache.hbm_k.shape[2:]
+    if fetched is None:
+        p_rows = rows_of(lay, p_src, p_ok, c.host_blocks).reshape(-1)
+        pk = read_blocks(cache.host_k, p_rows, c.fetch, pool_kind=kind)
+        pv = read_blocks(cache.host_v, p_rows, c.fetch, pool_kind=kind)
+    else:
+        fk, fv = fetched
+        want = (L, moves.promote.shape[1], *blk)
+        if tuple(fk.shape) != want or tuple(fv.shape) != want:
+            raise ValueError(
+                f"migrate fetched blocks have shapes {tuple(fk.shape)}, {tuple(fv.shape)}: "
+                f"expected {want} (layers, promote entries, block)"
+            )
+        pick = jnp.arange(nl)[:, None]
+        pk = fk[ls][pick, p_from].reshape(-1, *blk).astype(cache.hbm_k.dtype)
+        pv = fv[ls][pick, p_from].reshape(-1, *blk).astype(cache.hbm_v.dtype)
     ok_k = cache.hbm_k[lay, out_src].reshape(-1, *blk)
     ok_v = cache.hbm_v[lay, out_src].reshape(-1, *blk)
     reads = (pk, pv, after_reads)

@@ -272,11 +272,13 @@ class PlacementConfig:
 
     Attributes:
       policy: policy name (see `jaxkv.policies.POLICIES`), "anneal" with the modifiers
-        +reuse, +now, +ec (`jaxkv.policies.split_name`).
+        +reuse, +follow, +aw, +ec (`jaxkv.policies.split_name`; the decode loop's best live
+        policy is "anneal+reuse+follow").
       window: steps between plans (W); held in the decode state, so changing it never recompiles.
       adaptive_window: adapt W by +-window_step from the HBM hit rate, within
         [min_window, max_window].
-      max_moves: migrations per layer per window (the migration budget).
+      max_moves: migrations per layer per window (the migration budget); under +follow,
+        promotions per layer per step.
       attention: "exact" reads every block; "sparse" reads the top-k blocks by the Quest bound.
       topk: blocks read in sparse mode: an int count or a float fraction of the written blocks.
       sink_blocks, recent_blocks: always read in sparse mode.

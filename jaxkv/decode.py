@@ -1,24 +1,40 @@
 """Functional decoding over a TieredKVCache: prefill, decode_step, generate.
 
-`Decoder` holds everything static (the model's graph, cache geometry, placement config, policy,
-sampler, hardware profile) and compiles the step twice: `decode_step` (one token per sequence,
-the state donated; no plan, no migration, so no branch on the data: a GPU conditional syncs the
-host) and `window_step`, the step that ends a window: every W steps (W lives in the state, so
-changing it never recompiles) the policy plans a target placement from the per-block read
-statistics, `plan_moves` bounds it to a migration budget, and the cache migrates in bulk.
-`step` and `generate` (a `lax.while_loop` that stops at a step limit, when every sequence has
-finished, or when a cache is full) pick one of the two on the device at each step. A policy
-with `now` (e.g. "anneal+reuse+now") plans inside the window step instead: for each layer,
-after the Quest selection of the blocks it is about to read and before it reads them, so it can
-promote a block for the very step that reads it (the simulator's `+now`). DecodeState
-carries the metrics: per-step bytes read from each tier, the modeled step latency under a
-HardwareProfile (PAPER.md's max of the two tiers), blocks migrated, HBM hit rate.
+`Decoder` is frozen: it holds only static, hashable things (the model's graph, cache geometry,
+placement config, policy, sampler, hardware profile) and jitted functions over an explicit
+`DecodeState`. It compiles the step twice: `decode_step` (one token per sequence, the state
+donated; no plan, so no branch on the data: a GPU conditional syncs the host) and `window_step`,
+the step that ends a window: every W steps (W lives in the state, so changing it never
+recompiles) the policy plans from the per-block read statistics, between steps and for all
+layers at once. `step` and `generate` (a `lax.while_loop` that stops at a step limit, when every
+sequence has finished, or when a cache is full) pick one of the two on the device at each step.
+
+The model's layers run under one `lax.scan` (`models.llama.Llama.decode_step`): one layer body
+is traced and compiled, whatever the depth, and the layer index is traced through the token
+write, the block selection, the host read and the attention.
+
+What a plan does depends on the policy. Most (static, lru, anneal, anneal+reuse) return a
+target placement that `plan_moves` bounds to a migration budget and the cache migrates to in
+bulk. A `follow` policy ("anneal+reuse+follow", `jaxkv.policies.Anneal.follow`) only sets a
+target; then at every step, inside each layer's body, the vector rule
+`jaxkv.policies.follow_moves` promotes the host blocks the layer reads that the target marks
+for HBM, from the copies the read has just fetched (no second link read), and demotes, to make
+room, resident blocks the target leaves out; the moves of all layers are applied in one bulk
+migration after the layers. Nothing heavier than that rule runs on a layer's critical path.
+
+DecodeState nests the sampling state, the placement state (window bookkeeping and the policy's
+own state), the read statistics and the metrics: per-step bytes read from each tier, the
+modeled step latency under a HardwareProfile (PAPER.md's max of the two tiers), blocks
+migrated, HBM hit rate. `Decoder.plan_seconds` measures one plan on the present device, which
+`summarize` charges beside the modeled time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import time
 from typing import Any
 
 import jax
@@ -29,14 +45,14 @@ from flax import nnx
 from jaxkv import cache as kvc
 from jaxkv import importance as imp
 from jaxkv._pytree import pytree_dataclass, replace
-from jaxkv.attention import resolve_impl, select_blocks, tiered_attention
+from jaxkv.attention import resolve_impl, tiered_attention
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.cost import layer_step_time
 from jaxkv.policies import (
-    NOW_WINDOW,
     POLICIES,
     Observation,
     adapt_window,
+    follow_moves,
     modifier_kwargs,
     split_name,
 )
@@ -99,27 +115,71 @@ class Metrics:
 
 
 @pytree_dataclass
-class DecodeState:
-    cache: kvc.TieredKVCache
+class SamplingState:
     tokens: jax.Array  # [batch, max_new_tokens] int32; column 0 is the token sampled at prefill
     last: jax.Array  # [batch] int32: the next input token
     done: jax.Array  # [batch] bool: finished (EOS)
     step: jax.Array  # [] int32: decode steps taken
     key: jax.Array  # PRNG key
+
+
+@pytree_dataclass
+class PlacementState:
     window: jax.Array  # [] int32: W, steps between plans
     since_plan: jax.Array  # [] int32
     win_hbm: jax.Array  # [] f32: HBM block reads in the current window
     win_total: jax.Array  # [] f32: block reads in the current window
     prev_hit: jax.Array  # [] f32: HBM hit rate of the previous window
-    policy_state: Any
-    stats: imp.Stats  # per-block statistics, [layers, batch * max_blocks]
+    policy: Any  # the policy's own state (`Policy.init`)
+
+
+@pytree_dataclass
+class Statistics:
+    blocks: imp.Stats  # per-block read statistics, [layers, batch * max_blocks]
     step_mass: jax.Array  # [layers, batch, max_blocks] f32: last step's attention mass (0 unread)
+
+
+@pytree_dataclass
+class DecodeState:
+    cache: kvc.TieredKVCache
+    sampling: SamplingState
+    placement: PlacementState
+    statistics: Statistics
     metrics: Metrics
+
+    # shortcuts to the nested fields read most
+    @property
+    def tokens(self) -> jax.Array:
+        return self.sampling.tokens
+
+    @property
+    def step(self) -> jax.Array:
+        return self.sampling.step
+
+    @property
+    def done(self) -> jax.Array:
+        return self.sampling.done
+
+    @property
+    def window(self) -> jax.Array:
+        return self.placement.window
+
+    @property
+    def policy_state(self) -> Any:
+        return self.placement.policy
+
+    @property
+    def stats(self) -> imp.Stats:
+        return self.statistics.blocks
+
+    @property
+    def step_mass(self) -> jax.Array:
+        return self.statistics.step_mass
 
     @property
     def num_tokens(self) -> jax.Array:
         """[] int32: tokens generated per sequence so far (the prefill token included)."""
-        return self.step + 1
+        return self.sampling.step + 1
 
 
 def model_weight_bytes(params) -> float:
@@ -127,28 +187,54 @@ def model_weight_bytes(params) -> float:
     return float(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params)))
 
 
+def _layer_weight_bytes(params, num_layers: int) -> float:
+    """Bytes one decode step reads per layer: that layer's weights, plus the final norm and
+    the output head spread over the layers (the embedding is a gather of one row per token)."""
+    total = model_weight_bytes(params)
+    embed = getattr(params, "embed", None)
+    if embed is not None and getattr(params, "lm_head", None) is not None:
+        total -= model_weight_bytes(embed)  # untied: the table is not read, only B rows
+    return total / num_layers
+
+
 class Decoder:
-    """Compiled decoding of one model over a TieredKVCache.
+    """Compiled decoding of one model over a TieredKVCache. Frozen: attributes are static
+    configuration and the jitted functions; all state is the explicit `DecodeState`.
 
     Args:
-      model: a `models.Llama` (or any nnx.Module with `prefill` and `decode_step` as Llama's).
+      model: a `models.Llama` (or any nnx.Module with `prefill` and `decode_step` as Llama's,
+        whose `attend` callback receives a traced layer index).
       cache_config: cache geometry and capacities; its num_layers, kv_heads and head_dim must
         match the model.
       placement: attention mode, window, policy name and migration budget. Names take the
         simulator's modifiers a live decode can honour (`jaxkv.policies.split_name`): "+reuse",
-        "+now", "+ec" on "anneal". With "+now" every `window` steps each layer is planned inside
-        the step, between its block selection and its read, over a NOW_WINDOW-step lookahead;
-        every migration, in the step or at a window's end, loads both sides of its step (a
-        block crosses the link once and is written to or read from HBM once), as in the
-        simulator and PAPER.md's cost model.
+        "+follow", "+aw", "+ec" on "anneal". Under "+follow" the plan every `window` steps
+        sets a target and each step's layers follow it (see the module docstring); every
+        migration loads both sides of its step (a block crosses the link once and is written to
+        or read from HBM once), as in the simulator and PAPER.md's cost model.
       max_new_tokens: tokens to generate per sequence (the prefill token included).
       sampler: `Greedy()` or `Sampling(...)`.
       profile: a HardwareProfile or a preset name, for the modeled latency.
       eos_id: token id that finishes a sequence, or None.
       impl: attention implementation, "auto" | "xla" | "pallas".
       ema_decay: decay of the per-block read statistics per step.
-      policy_kwargs: overrides of the policy's fields (e.g. {"now": True, "spread": 1.0}).
+      policy_kwargs: overrides of the policy's fields (e.g. {"spread": 1.0}).
     """
+
+    _FIELDS = (
+        "graphdef",
+        "model_config",
+        "cache_config",
+        "placement",
+        "max_new_tokens",
+        "sampler",
+        "profile",
+        "eos_id",
+        "impl",
+        "ema_decay",
+        "weight_bytes_per_layer",
+        "policy",
+    )
 
     def __init__(
         self,
@@ -174,47 +260,84 @@ class Decoder:
             )
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        self.graphdef, params = nnx.split(model)
-        self.model_config = mc
-        self.cache_config = cache_config
-        self.placement = placement
-        self.max_new_tokens = max_new_tokens
-        self.sampler = sampler
-        self.profile = HardwareProfile.preset(profile) if isinstance(profile, str) else profile
-        self.eos_id = eos_id
-        self.impl = impl
-        self.ema_decay = ema_decay
-        self.weight_bytes_per_layer = model_weight_bytes(params) / mc.num_layers
-        self.policy = self._make_policy(policy_kwargs or {})
-        # `now` policies plan each layer inside the step, between its block selection and read
-        self.plans_in_step = bool(getattr(self.policy, "now", False))
-        self._prefill = jax.jit(self._prefill_impl)
+        graphdef, params = nnx.split(model)
+        profile = HardwareProfile.preset(profile) if isinstance(profile, str) else profile
+        values = dict(
+            graphdef=graphdef,
+            model_config=mc,
+            cache_config=cache_config,
+            placement=placement,
+            max_new_tokens=max_new_tokens,
+            sampler=sampler,
+            profile=profile,
+            eos_id=eos_id,
+            impl=impl,
+            ema_decay=ema_decay,
+            weight_bytes_per_layer=_layer_weight_bytes(params, mc.num_layers),
+        )
+        for k, v in values.items():
+            object.__setattr__(self, k, v)
+        object.__setattr__(self, "policy", self._make_policy(policy_kwargs or {}))
         # The decode step and the step that ends a window are compiled apart, so that neither
-        # branches on the data (a GPU conditional syncs the host): `decode_step` has no plan,
-        # no migration and no host sync; `window_step` adds the plan and its migrations.
-        self.decode_step = jax.jit(
-            functools.partial(self._step_impl, plan=False), donate_argnums=(1,)
+        # branches on the data (a GPU conditional syncs the host): `decode_step` has no plan
+        # and no host sync; `window_step` adds the plan (and, but for `follow`, its migration).
+        jits = dict(
+            _prefill=jax.jit(self._prefill_impl),
+            decode_step=jax.jit(
+                functools.partial(self._step_impl, plan=False), donate_argnums=(1,)
+            ),
+            window_step=jax.jit(functools.partial(self._step_impl, plan=True), donate_argnums=(1,)),
+            _step=jax.jit(self._either_step, donate_argnums=(1,)),
+            _generate=jax.jit(self._generate_impl, donate_argnums=(1,)),
+            _plan=jax.jit(self._plan_impl),
         )
-        self.window_step = jax.jit(
-            functools.partial(self._step_impl, plan=True), donate_argnums=(1,)
-        )
-        self._step = jax.jit(self._either_step, donate_argnums=(1,))
-        self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
+        for k, v in jits.items():
+            object.__setattr__(self, k, v)
+
+    def __setattr__(self, name, value):
+        raise dataclasses.FrozenInstanceError(f"Decoder is frozen: cannot set {name!r}")
+
+    def _key(self):
+        return tuple(getattr(self, f) for f in self._FIELDS)
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __eq__(self, other):
+        return type(other) is type(self) and self._key() == other._key()
+
+    @property
+    def follows(self) -> bool:
+        """The policy sets a target between steps that each step's layers follow."""
+        return bool(getattr(self.policy, "follow", False))
+
+    @property
+    def prefill_fn(self):
+        """The jitted prefill (params, prompts, lengths, key) -> DecodeState, unchecked."""
+        return self._prefill
+
+    def compilations(self) -> int:
+        """Executables compiled so far by this decoder's jitted functions (all of them)."""
+        fns = (self._prefill, self.decode_step, self.window_step, self._step, self._generate)
+        return sum(int(f._cache_size()) for f in fns)
 
     def _make_policy(self, overrides: dict):
         """Builds the placement policy, filling in what it models from this decoder's geometry
         (hardware profile, block bytes, weight bytes, window, migration budget).
 
         Names take the simulator's modifiers (`jaxkv.policies.split_name`) where a live decode
-        can honour them: "anneal+reuse", "anneal+now", "anneal+reuse+now", "+ec". A policy with
-        `now` plans inside the step (see the class docstring); its lookahead is NOW_WINDOW steps
-        unless policy_kwargs sets `window`, and it plans every `placement.window` steps."""
+        can honour them: "anneal+reuse", "anneal+reuse+follow", "+aw", "+ec". The adaptive
+        window is one controller (`jaxkv.policies.adapt_window`): the anneal policy's own
+        (`Anneal.adaptive`, as in the simulator) for anneal names, with the bounds of
+        `placement`; the decode loop's for the others."""
         c, p = self.cache_config, self.placement
         base, mods = split_name(p.policy)
-        if "aw" in mods:
+        if "now" in mods:
             raise ValueError(
-                f"policy {p.policy!r}: +aw adapts the simulator's window; in the decode loop use "
-                "PlacementConfig(adaptive_window=True)"
+                f"policy {p.policy!r}: +now anneals each layer on its critical path, between its "
+                "block selection and its read; the decode loop plans between steps and follows "
+                "the plan inside the step instead: use "
+                f"{p.policy.replace('+now', '+follow')!r}"
             )
         cls = POLICIES[base]
         known = (
@@ -233,17 +356,20 @@ class Decoder:
         kwargs = {k: v for k, v in auto.items() if k in known}
         if mods:
             kwargs.update(name=p.policy, **modifier_kwargs(mods))
+        if "adaptive" in known and (p.adaptive_window or kwargs.get("adaptive", False)):
+            kwargs.update(
+                adaptive=True,
+                min_window=p.min_window,
+                max_window=p.max_window,
+                window_step=p.window_step,
+            )
         kwargs.update(overrides)
-        if kwargs.get("now", False):
-            # the lookahead of a plan that knows its step; it re-plans every placement.window
-            kwargs["window"] = overrides.get("window", NOW_WINDOW)
-            kwargs["interval"] = overrides.get("interval", p.window)
         policy = cls(**kwargs)
-        if getattr(policy, "needs_forecast", False) and not getattr(policy, "now", False):
+        if getattr(policy, "needs_forecast", False):
             raise ValueError(
                 f"policy {p.policy!r} plans from perfect knowledge of future reads, which a live "
                 "decode does not have; use it in `jaxkv simulate`, or an online policy here "
-                "(e.g. 'lru', 'anneal' or 'anneal+reuse+now')"
+                "(e.g. 'lru', 'anneal' or 'anneal+reuse+follow')"
             )
         return policy
 
@@ -293,10 +419,32 @@ class Decoder:
 
     def with_window(self, state: DecodeState, window: int) -> DecodeState:
         """Returns the state with a new window W (no recompilation)."""
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
+        if not isinstance(window, int | np.integer) or window < 1:
+            raise ValueError(f"window must be an int >= 1, got {window!r}")
+        pl = state.placement
         # same placement as the old value: an uncommitted scalar would change the jit cache key
-        return replace(state, window=jax.device_put(jnp.int32(window), state.window.sharding))
+        w = jax.device_put(jnp.int32(window), pl.window.sharding)
+        policy = pl.policy
+        if isinstance(policy, type(self.policy.init(1, 1))) and hasattr(policy, "window"):
+            policy = replace(policy, window=jax.device_put(jnp.int32(window), pl.window.sharding))
+        return replace(state, placement=replace(pl, window=w, policy=policy))
+
+    def plan_seconds(self, params, state: DecodeState, repeats: int = 3) -> float:
+        """Wall seconds of one plan (observe -> policy.plan, all layers) on the present device,
+        compiled and warmed first, best of `repeats`; 0.0 for a policy that never plans
+        (static). `state` is not consumed."""
+        del params
+        if not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+        if self.policy.name == "static":
+            return 0.0
+        jax.block_until_ready(self._plan(state))
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(self._plan(state))
+            best = min(best, time.perf_counter() - t0)
+        return best
 
     # ---- implementation -----------------------------------------------------------------------
 
@@ -316,19 +464,25 @@ class Decoder:
         done = (first == self.eos_id) if self.eos_id is not None else jnp.zeros((B,), bool)
         return DecodeState(
             cache=cache,
-            tokens=jnp.zeros((B, n), jnp.int32).at[:, 0].set(first),
-            last=first,
-            done=done,
-            step=jnp.int32(0),
-            key=key,
-            window=jnp.int32(self.placement.window),
-            since_plan=jnp.int32(0),
-            win_hbm=jnp.float32(0),
-            win_total=jnp.float32(0),
-            prev_hit=jnp.float32(0),
-            policy_state=self.policy.init(L, B * M),
-            stats=imp.init_stats(L, B * M, decay=self.ema_decay),
-            step_mass=jnp.zeros((L, B, M), jnp.float32),
+            sampling=SamplingState(
+                tokens=jnp.zeros((B, n), jnp.int32).at[:, 0].set(first),
+                last=first,
+                done=done,
+                step=jnp.int32(0),
+                key=key,
+            ),
+            placement=PlacementState(
+                window=jnp.int32(self.placement.window),
+                since_plan=jnp.int32(0),
+                win_hbm=jnp.float32(0),
+                win_total=jnp.float32(0),
+                prev_hit=jnp.float32(0),
+                policy=self.policy.init(L, B * M),
+            ),
+            statistics=Statistics(
+                blocks=imp.init_stats(L, B * M, decay=self.ema_decay),
+                step_mass=jnp.zeros((L, B, M), jnp.float32),
+            ),
             metrics=Metrics(
                 hbm_bytes=zeros_f,
                 host_bytes=zeros_f,
@@ -343,70 +497,116 @@ class Decoder:
 
     def _active(self, state: DecodeState):
         c = self.cache_config
-        return ~state.done & (state.cache.lengths < c.max_len)
+        return ~state.sampling.done & (state.cache.lengths < c.max_len)
 
     def _either_step(self, params, state: DecodeState) -> DecodeState:
         """`window_step` when this step ends the window, else `decode_step` (one branch)."""
+        pl = state.placement
         return jax.lax.cond(
-            state.since_plan + 1 >= state.window,
+            pl.since_plan + 1 >= pl.window,
             lambda s: self._step_impl(params, s, plan=True),
             lambda s: self._step_impl(params, s, plan=False),
             state,
         )
 
+    def _follow_layer(self, cache, layer, st, staged, pstate, fol):
+        """The `follow` rule of one layer (traced `layer`) after its read: the promotions and
+        the demotions that make room for them (`jaxkv.policies.follow_moves`), and the fetched
+        contents of the promoted blocks, written into the per-layer lists `fol`."""
+        c = self.cache_config
+        N = c.batch * c.max_blocks
+        K = fol[0].shape[1]
+        sealed = cache.sealed[layer].reshape(1, N)
+        in_hbm = sealed & (cache.tier[layer].reshape(1, N) == kvc.TIER_HBM)
+        reads = (st.read_hbm | st.read_host).reshape(1, N)
+        room = jnp.sum(cache.hbm_free[layer])[None]
+        pro, n_p, dem, n_d = follow_moves(
+            in_hbm,
+            sealed,
+            reads,
+            pstate.target[layer][None],
+            pstate.priority[layer][None],
+            room,
+            K,
+            admit=self.policy.follow_admit,
+        )
+        sk, sv, stable = staged
+        at = jnp.take(stable.reshape(-1), pro[0])  # staging slot of each promoted block
+        P, NP, D, ND, PK, PV = fol
+        return (
+            P.at[layer].set(pro[0]),
+            NP.at[layer].set(n_p[0]),
+            D.at[layer].set(dem[0]),
+            ND.at[layer].set(n_d[0]),
+            PK.at[layer].set(sk[at].astype(PK.dtype)),
+            PV.at[layer].set(sv[at].astype(PV.dtype)),
+        )
+
     def _step_impl(self, params, state: DecodeState, *, plan: bool) -> DecodeState:
         """One decode step; with `plan` (a python bool) it also ends the window: the policy
-        plans (per layer inside the step for a `now` policy, else after it) and migrates."""
+        plans, between steps and for all layers, and (unless it `follows`) migrates."""
         c, p = self.cache_config, self.placement
         model = nnx.merge(self.graphdef, params)
+        sm = state.sampling
         active = self._active(state)
         attn_len = state.cache.lengths + active.astype(jnp.int32)
         scale = 1.0 / float(np.sqrt(self.model_config.head_dim))
-
-        L, N = c.num_layers, c.batch * c.max_blocks
-        in_step = self.plans_in_step
+        L, B, M = c.num_layers, c.batch, c.max_blocks
+        N = B * M
+        follow = self.follows
+        pstate = state.placement.policy
+        dt = c.jnp_dtype
 
         def attend(layer, q, k_new, v_new, carry):
-            cache, layer_stats, pstate, migrated = carry
-            dt = c.jnp_dtype
+            cache, reads, fol = carry
             cache = kvc.write_token(cache, layer, k_new.astype(dt), v_new.astype(dt), active)
-            selected = None
-            if in_step and plan:  # plan this layer knowing what it is about to read, then read
-                selected = select_blocks(q, cache, layer, attn_len, p)
-                # q depends on every earlier layer's reads: the host writes follow them
-                cache, pstate, moved = self._plan_layer(
-                    cache, pstate, layer, selected, state.stats, state.step, q
-                )
-                migrated = migrated.at[layer].set(moved)
-            out, st = tiered_attention(
-                q, cache, layer, attn_len, p, scale=scale, impl=self.impl, selected=selected
+            out, st, staged = tiered_attention(
+                q, cache, layer, attn_len, p, scale=scale, impl=self.impl, return_staging=True
             )
-            return out.astype(q.dtype), (cache, layer_stats + (st,), pstate, migrated)
+            reads = tuple(
+                r.at[layer].set(x)
+                for r, x in zip(reads, (st.read_hbm, st.read_host, st.mass), strict=True)
+            )
+            if follow:
+                fol = self._follow_layer(cache, layer, st, staged, pstate, fol)
+            return out.astype(q.dtype), (cache, reads, fol)
 
+        reads0 = (jnp.zeros((L, B, M), bool), jnp.zeros((L, B, M), bool), jnp.zeros((L, B, M)))
+        fol0 = ()
+        if follow:
+            K = max(0, min(p.max_moves, N))
+            blk = (c.block_size, c.kv_heads, c.head_dim)
+            zi, zn = jnp.zeros((L, K), jnp.int32), jnp.zeros((L,), jnp.int32)
+            zb = jnp.zeros((L, K, *blk), dt)
+            fol0 = (zi, zn, zi, zn, zb, zb)
         with jax.named_scope("model"):
-            carry = (state.cache, (), state.policy_state, jnp.zeros((L, 2), jnp.int32))
-            logits, (cache, layer_stats, policy_state, migrated) = model.decode_step(
-                state.last, state.cache.lengths, attend, carry
+            logits, (cache, (read_hbm, read_host, mass), fol) = model.decode_step(
+                sm.last, state.cache.lengths, attend, (state.cache, reads0, fol0)
             )
+        promoted = demoted = jnp.zeros((L,), jnp.int32)
+        if follow:  # the layers' follow moves, all at once, from the blocks they fetched
+            with jax.named_scope("follow"):
+                before = cache.in_hbm
+                moves = kvc.Moves(
+                    demote=fol[2], promote=fol[0], num_demote=fol[3], num_promote=fol[1]
+                )
+                cache, _ = kvc.migrate(cache, moves, after_reads=logits, fetched=fol[4:])
+                now = cache.in_hbm
+                promoted = jnp.sum(now & ~before, axis=(1, 2)).astype(jnp.int32)
+                demoted = jnp.sum(before & ~now, axis=(1, 2)).astype(jnp.int32)
         cache = kvc.advance(cache, active, after_reads=logits)
-        key, sub = jax.random.split(state.key)
+        key, sub = jax.random.split(sm.key)
         nxt = self.sampler(logits, sub)
-        nxt = jnp.where(active, nxt, state.last)
-        step = state.step
+        nxt = jnp.where(active, nxt, sm.last)
+        step = sm.step
         col = jnp.minimum(step + 1, self.max_new_tokens - 1)
-        tokens = state.tokens.at[:, col].set(jnp.where(active, nxt, state.tokens[:, col]))
-        done = state.done | (active & (nxt == self.eos_id) if self.eos_id is not None else False)
+        tokens = sm.tokens.at[:, col].set(jnp.where(active, nxt, sm.tokens[:, col]))
+        done = sm.done | (active & (nxt == self.eos_id) if self.eos_id is not None else False)
 
         # statistics and metrics of this step
-        read_hbm = jnp.stack([s.read_hbm for s in layer_stats])  # [L, B, M]
-        read_host = jnp.stack([s.read_host for s in layer_stats])
-        mass = jnp.stack([s.mass for s in layer_stats])
         read = read_hbm | read_host
-        stats = state.stats
-        if in_step and plan:  # the plan saw the reads since the last plan: count afresh
-            stats = replace(stats, window_reads=jnp.zeros_like(stats.window_reads))
         stats = imp.update_stats(
-            stats,
+            state.statistics.blocks,
             read.reshape(L, N),
             mass.reshape(L, N),
             step,
@@ -422,111 +622,84 @@ class Decoder:
             m,
             hbm_bytes=m.hbm_bytes.at[step].set(hbm_b.sum()),
             host_bytes=m.host_bytes.at[step].set(host_b.sum()),
-            migrated_blocks=m.migrated_blocks + migrated.sum(),
+            migrated_blocks=m.migrated_blocks + (promoted + demoted).sum(),
             hbm_reads=m.hbm_reads + n_hbm,
             total_reads=m.total_reads + n_all,
-            window_trace=m.window_trace.at[step].set(state.window),
+            window_trace=m.window_trace.at[step].set(state.placement.window),
         )
-        state = replace(
-            state,
+        pl = state.placement
+        state = DecodeState(
             cache=cache,
-            tokens=tokens,
-            last=nxt,
-            done=done,
-            step=step + 1,
-            key=key,
-            since_plan=state.since_plan + 1,
-            win_hbm=state.win_hbm + n_hbm,
-            win_total=state.win_total + n_all,
-            stats=stats,
-            step_mass=mass,
-            policy_state=policy_state,
+            sampling=SamplingState(tokens=tokens, last=nxt, done=done, step=step + 1, key=key),
+            placement=replace(
+                pl,
+                since_plan=pl.since_plan + 1,
+                win_hbm=pl.win_hbm + n_hbm,
+                win_total=pl.win_total + n_all,
+            ),
+            statistics=Statistics(blocks=stats, step_mass=mass),
             metrics=metrics,
         )
+        moved = jnp.zeros((L,), jnp.int32)
         if plan:
             state, moved = self._window(state)
-        else:
-            moved = jnp.zeros((L,), jnp.int32)
         # migrations load both sides of the step they are made in, as in the simulator and
-        # PAPER.md: each block crosses the link once and is written to or read from HBM once
-        mig_b = (migrated.sum(axis=1) + moved).astype(jnp.float32) * bb  # [L]
+        # PAPER.md: a window's migration (and a follow demotion) crosses the link once and is
+        # read or written in HBM once; a follow promotion rides on this step's host read, so
+        # it costs the HBM write alone
+        mig_h = (moved + promoted + demoted).astype(jnp.float32) * bb  # [L]
+        mig_l = (moved + demoted).astype(jnp.float32) * bb
         lat = layer_step_time(
             hbm_b,
             host_b,
             profile=self.profile,
             weight_bytes=self.weight_bytes_per_layer,
             hbm_write_bytes=write_b,
-            hbm_migration_bytes=mig_b,
-            link_migration_bytes=mig_b,
+            hbm_migration_bytes=mig_h,
+            link_migration_bytes=mig_l,
         ).sum()
         m = state.metrics
         return replace(state, metrics=replace(m, latency=m.latency.at[step].set(lat)))
 
-    def _observation(self, cache, stats: imp.Stats, step, rows=None, forecast=None):
-        """What the policy sees: all layers, or the layer slice `rows` (a python slice)."""
+    def _observation(self, cache, stats: imp.Stats, step) -> Observation:
+        """What the policy sees at a plan: every layer's blocks."""
         c = self.cache_config
         L, N = c.num_layers, c.batch * c.max_blocks
-        rows = slice(None) if rows is None else rows
-
-        def cut(x):
-            return None if x is None else x[rows]
-
         return Observation(
-            in_hbm=cache.in_hbm.reshape(L, N)[rows],
-            valid=cache.sealed.reshape(L, N)[rows],
-            last_read=stats.last_read[rows],
-            read_ema=stats.read_ema[rows],
-            mass_ema=stats.mass_ema[rows],
+            in_hbm=cache.in_hbm.reshape(L, N),
+            valid=cache.sealed.reshape(L, N),
+            last_read=stats.last_read,
+            read_ema=stats.read_ema,
+            mass_ema=stats.mass_ema,
             step=step,
-            forecast=forecast,
-            window_reads=stats.window_reads[rows],
-            since_seen=cut(stats.since_seen),
-            since_read=cut(stats.since_read),
-            streak=cut(stats.streak),
+            window_reads=stats.window_reads,
+            since_seen=stats.since_seen,
+            since_read=stats.since_read,
+            streak=stats.streak,
             capacity=c.hbm_pool_slots,
         )
 
-    def _plan_layer(self, cache, pstate, layer: int, selected, stats, step, after_reads=None):
-        """The in-step plan of one layer (`plans_in_step`): the blocks this layer reads at this
-        step (`selected` [batch, max_blocks], the Quest selection `tiered_attention` then reads)
-        are the forecast's row 0; the policy plans this layer alone, and the cache migrates it
-        before the read.
-
-        Returns:
-          (cache, policy state, [2] int32 promotions and demotions made)."""
-        c, p = self.cache_config, self.placement
-        L, N = c.num_layers, c.batch * c.max_blocks
-        rows = slice(layer, layer + 1)
-        forecast = selected.reshape(1, 1, N).astype(jnp.float32)
-        obs = self._observation(cache, stats, step, rows, forecast)
-        # the policy state's per-block [layers, N] leaves are cut to this layer, the rest shared
-        per_block = jax.tree.map(lambda x: x.shape == (L, N), pstate)
-        sub = jax.tree.map(lambda x, b: x[rows] if b else x, pstate, per_block)
-        sub, target = self.policy.plan(sub, obs)
-        pstate = jax.tree.map(lambda x, y, b: x.at[rows].set(y) if b else y, pstate, sub, per_block)
-        before = cache.in_hbm.reshape(L, N)
-        moves = kvc.plan_moves(cache, before.at[layer].set(target[0]), p.max_moves)
-        cache, _ = kvc.migrate(cache, moves, layers=(layer,), after_reads=after_reads)
-        was, now = before[layer], cache.in_hbm.reshape(L, N)[layer]
-        moved = jnp.stack([jnp.sum(now & ~was), jnp.sum(was & ~now)]).astype(jnp.int32)
-        return cache, pstate, moved
+    def _plan_impl(self, state: DecodeState):
+        """observe -> plan, all layers: (the policy's new state, target [layers, N])."""
+        obs = self._observation(state.cache, state.statistics.blocks, state.sampling.step)
+        return self.policy.plan(state.placement.policy, obs)
 
     def _window(self, state: DecodeState) -> tuple[DecodeState, jax.Array]:
-        """The window boundary: observe -> plan -> migrate (-> compact), adapt W. A policy that
-        plans in the step (`plans_in_step`) has already planned and migrated this step.
+        """The window boundary, between steps: observe -> plan (-> migrate -> compact), and
+        the next W (the adaptive window's one controller, `adapt_window`: the policy's own
+        for an adaptive anneal policy, else this loop's when `adaptive_window`).
 
         Returns:
           (state, [layers] int32 blocks migrated here)."""
         c, p = self.cache_config, self.placement
-        cache, policy_state = state.cache, state.policy_state
+        cache = state.cache
         moved = jnp.zeros((c.num_layers,), jnp.int32)
-        stats = state.stats
-        if not self.plans_in_step:
-            obs = self._observation(cache, stats, state.step)
-            policy_state, target = self.policy.plan(policy_state, obs)
+        policy_state, target = self._plan_impl(state)
+        if not self.follows:  # a follow policy's target is followed by the steps' layers
             moves = kvc.plan_moves(cache, target, p.max_moves)
             cache, moved = kvc.migrate(cache, moves)
-            stats = replace(stats, window_reads=jnp.zeros_like(stats.window_reads))
+        stats = state.statistics.blocks
+        stats = replace(stats, window_reads=jnp.zeros_like(stats.window_reads))
         windows = state.metrics.windows + 1
         if p.compact_every:
             impl = "pallas" if resolve_impl(self.impl, c) == "pallas" else "xla"
@@ -538,23 +711,28 @@ class Decoder:
             )
         m = state.metrics
         metrics = replace(m, migrated_blocks=m.migrated_blocks + moved.sum(), windows=windows)
-        hit = state.win_hbm / jnp.maximum(state.win_total, 1.0)
-        window = state.window
-        if p.adaptive_window:
+        pl = state.placement
+        hit = pl.win_hbm / jnp.maximum(pl.win_total, 1.0)
+        window = pl.window
+        if getattr(self.policy, "adaptive", False):
+            window = self.policy.next_window(policy_state)
+        elif p.adaptive_window:
             window = adapt_window(
-                window, hit, state.prev_hit, p.min_window, p.max_window, p.window_step
+                window, hit, pl.prev_hit, p.min_window, p.max_window, p.window_step
             )
         state = replace(
             state,
             cache=cache,
-            policy_state=policy_state,
-            stats=stats,
+            placement=PlacementState(
+                window=window.astype(jnp.int32),
+                since_plan=jnp.int32(0),
+                win_hbm=jnp.float32(0),
+                win_total=jnp.float32(0),
+                prev_hit=hit,
+                policy=policy_state,
+            ),
+            statistics=replace(state.statistics, blocks=stats),
             metrics=metrics,
-            window=window,
-            since_plan=jnp.int32(0),
-            win_hbm=jnp.float32(0),
-            win_total=jnp.float32(0),
-            prev_hit=hit,
         )
         return state, moved
 
@@ -562,19 +740,30 @@ class Decoder:
         c = self.cache_config
 
         def cond(s: DecodeState):
-            full = jnp.any(~s.done & (s.cache.lengths >= c.max_len))
-            return (s.step < until) & ~jnp.all(s.done) & ~full
+            full = jnp.any(~s.sampling.done & (s.cache.lengths >= c.max_len))
+            return (s.sampling.step < until) & ~jnp.all(s.sampling.done) & ~full
 
         return jax.lax.while_loop(cond, lambda s: self._either_step(params, s), state)
 
 
-def summarize(state: DecodeState) -> dict:
-    """Host-side summary of a finished decode: hit rate, migrations, modeled time."""
+def summarize(
+    state: DecodeState, *, plan_seconds: float | None = None, step_seconds: float | None = None
+) -> dict:
+    """Host-side summary of a finished decode: hit rate, migrations, modeled time.
+
+    With `plan_seconds` (one plan's wall time on the present device, `Decoder.plan_seconds`)
+    it adds the planning cost: `plan_ms`, `plan_ms_per_step` (a plan per window, spread over
+    the steps) and, with `step_seconds` too (the measured wall time of one decode step on the
+    same device), `plan_share` (planning time per step over the step's wall time) and
+    `modeled_tokens_per_s_with_plan`: the modeled time with each step lengthened by that
+    share, i.e. planning charged serially, as it runs on this device, and at the speed ratio
+    this device shows between the plan and the step (the modeled step is a GPU's; the plan
+    is not modeled)."""
     m = jax.device_get(state.metrics)
     steps = int(state.step)
     lat = float(np.sum(m.latency[:steps]))
     batch = state.tokens.shape[0]
-    return {
+    out = {
         "steps": steps,
         "hbm_hit_rate": float(m.hbm_reads / max(m.total_reads, 1.0)),
         "migrated_blocks": int(m.migrated_blocks),
@@ -584,3 +773,16 @@ def summarize(state: DecodeState) -> dict:
         "host_bytes": float(np.sum(m.host_bytes[:steps])),
         "windows": int(m.windows),
     }
+    if plan_seconds is not None:
+        per_step = plan_seconds * int(m.windows) / max(steps, 1)
+        out.update(plan_ms=1e3 * plan_seconds, plan_ms_per_step=1e3 * per_step)
+        if step_seconds is not None and step_seconds > 0:
+            share = per_step / step_seconds
+            charged = lat * (1.0 + share)
+            out.update(
+                plan_share=share,
+                modeled_tokens_per_s_with_plan=batch * steps / charged
+                if charged > 0
+                else float("nan"),
+            )
+    return out

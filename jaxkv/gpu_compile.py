@@ -340,7 +340,7 @@ def parse_hlo(hlo_text: str) -> tuple[dict[str, list[_Inst]], str | None]:
                 if m.group(1):
                     entry = current
             continue
-        if line.strip() == "}":
+        if line.startswith("}"):  # "}" or e.g. '}, execution_thread="parallel"'
             current = None
             continue
         m = _INST.match(line)
@@ -433,7 +433,9 @@ def analyze(hlo_text: str, scope: str | None = None) -> dict:
         "host_part" for the attention's host read); 0 when `scope` is None.
     Returns:
       dict with the fields above, `ops_by_kind` (a Counter of opcode, fusion kind or custom call
-      target) and `transfers` ({"h2d:<opcode>": n, "d2h:<opcode>": n}).
+      target), `transfers` ({"h2d:<opcode>": n, "d2h:<opcode>": n}) and `loop_trips` (a
+      Counter of the known trip counts of the loops: {trip count: loops}, e.g. {32: 1} for a
+      scan over 32 layers).
     """
     comps, entry = parse_hlo(hlo_text)
     if entry is None:
@@ -441,12 +443,16 @@ def analyze(hlo_text: str, scope: str | None = None) -> dict:
     types = {i.name: i.type for insts in comps.values() for i in insts}
 
     def empty():
-        return {f: 0 for f in _FIELDS} | {"ops_by_kind": Counter(), "transfers": Counter()}
+        return {f: 0 for f in _FIELDS} | {
+            "ops_by_kind": Counter(),
+            "transfers": Counter(),
+            "loop_trips": Counter(),
+        }
 
     def add(dst, src, k=1):
         for f in _FIELDS:
             dst[f] += k * src[f]
-        for key in ("ops_by_kind", "transfers"):
+        for key in ("ops_by_kind", "transfers", "loop_trips"):
             for name, n in src[key].items():
                 dst[key][name] += k * n
 
@@ -471,6 +477,7 @@ def analyze(hlo_text: str, scope: str | None = None) -> dict:
                 r["loops"] += 1
                 if m:
                     add(r, sub, int(m.group(1)))
+                    r["loop_trips"][int(m.group(1))] += 1
                 else:
                     add(r, sub)
                     add(r, walk(cond, in_cmdbuf, stack + (comp,)))
@@ -486,7 +493,7 @@ def analyze(hlo_text: str, scope: str | None = None) -> dict:
                 worst = empty()
                 for f in _FIELDS:
                     worst[f] = max(s[f] for s in subs)
-                for key2 in ("ops_by_kind", "transfers"):
+                for key2 in ("ops_by_kind", "transfers", "loop_trips"):
                     for s in subs:
                         for name, n in s[key2].items():
                             worst[key2][name] = max(worst[key2][name], n)
@@ -551,36 +558,40 @@ def analyze(hlo_text: str, scope: str | None = None) -> dict:
         **{f: out[f] for f in _FIELDS},
         "ops_by_kind": out["ops_by_kind"],
         "transfers": out["transfers"],
+        "loop_trips": out["loop_trips"],
     }
 
 
 def overlap(hlo_text: str) -> list[int]:
     """Per async computation on a side stream (a `call-start` with `_xla_stream_annotation`,
     e.g. `jaxkv.transfer`'s host reads), the GPU operations the schedule runs on the compute
-    stream between its start and its done: what the transfer overlaps. ENTRY only, in order.
+    stream between its start and its done: what the transfer overlaps. ENTRY's first, then
+    those of the other computations (e.g. a while body), each in schedule order.
 
     The optimized module is scheduled: instruction order within a computation is the order
     the ops are launched, so ops between a start and its done run while it is in flight."""
     comps, entry = parse_hlo(hlo_text)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
-    insts = comps[entry]
-    where = {i.name: n for n, i in enumerate(insts)}
     out = []
-    for n, inst in enumerate(insts):
-        if inst.opcode != "call-done" or "_xla_stream_annotation" not in inst.attrs:
-            continue
-        start = where.get(inst.operands[0]) if inst.operands else None
-        if start is None:
-            continue
-        between = insts[start + 1 : n]
-        out.append(
-            sum(
-                1
-                for i in between
-                if i.opcode not in _NOT_OPS and not i.opcode.endswith(("-start", "-done"))
+    # ENTRY first, then the other computations (a while body: the decode step's layer scan)
+    for name in [entry] + [c for c in comps if c != entry]:
+        insts = comps[name]
+        where = {i.name: n for n, i in enumerate(insts)}
+        for n, inst in enumerate(insts):
+            if inst.opcode != "call-done" or "_xla_stream_annotation" not in inst.attrs:
+                continue
+            start = where.get(inst.operands[0]) if inst.operands else None
+            if start is None:
+                continue
+            between = insts[start + 1 : n]
+            out.append(
+                sum(
+                    1
+                    for i in between
+                    if i.opcode not in _NOT_OPS and not i.opcode.endswith(("-start", "-done"))
+                )
             )
-        )
     return out
 
 

@@ -92,13 +92,23 @@ def top_capacity(score: jax.Array, valid: jax.Array, capacity: int) -> jax.Array
     return picked & valid
 
 
-def follow_moves(in_hbm, valid, reads, target, priority, room, budget: int):
+FOLLOW_ADMITS = ("read", "ranked", "target")
+
+
+def follow_moves(in_hbm, valid, reads, target, priority, room, budget: int, admit: str = "read"):
     """The per-step rule of a `follow` policy (`Anneal.follow`), vectorized over rows (layers).
 
-    Promotes the blocks this step reads from host that the window's target marks for HBM, the
-    highest `priority` first, at most `budget`; to make room beyond the `room` free slots it
-    demotes resident blocks the target leaves out and this step does not read, the lowest
-    priority first. Nothing else moves: a demotion happens only for a promotion.
+    Candidates are blocks this step reads from host, victims resident blocks it does not read.
+    Both are ranked by (in the window's target, `priority`): candidates best first, victims
+    worst first (blocks outside the target go first, the least expected first). The i-th
+    candidate is promoted into a free slot while `room` lasts, beyond it by displacing the next
+    victim, at most `budget` per row; the promoted blocks are a leading run of the candidates.
+    `admit` says which candidates may be promoted:
+      "read": every candidate (promote on read, as LRU does; the plan chooses the victims);
+      "ranked": a candidate displaces a victim only when it ranks higher (its read counts as
+        one expected read more);
+      "target": only target blocks, and only over victims outside the target (the window's
+        target followed literally).
 
     Args:
       in_hbm, valid, reads, target: [rows, N] bool: resident (sealed, in HBM), placeable, read
@@ -106,27 +116,39 @@ def follow_moves(in_hbm, valid, reads, target, priority, room, budget: int):
       priority: [rows, N] float32: expected reads over the window (`AnnealPolicyState.priority`).
       room: [rows] int: free HBM slots.
       budget: static bound on the promotions (and so demotions) per row.
+      admit: "read" | "ranked" | "target".
     Returns:
       (promote, num_promote, demote, num_demote): [rows, K] int32 block indices, the first
-      num_* [rows] int32 of each valid (K = min(budget, N)).
+      num_* [rows] int32 of each valid (K = min(budget, N)); num_demote = max(num_promote -
+      room, 0).
     """
+    if admit not in FOLLOW_ADMITS:
+        raise ValueError(f"follow_moves admit must be one of {FOLLOW_ADMITS}, got {admit!r}")
     rows, n = in_hbm.shape
     k = max(0, min(int(budget), n))
-    if k == 0:
-        z = jnp.zeros((rows, 0), jnp.int32)
-        zn = jnp.zeros((rows,), jnp.int32)
-        return z, zn, z, zn
-    pri = priority.astype(jnp.float32)
-    cand = reads & valid & ~in_hbm & target
-    victim = in_hbm & valid & ~target & ~reads
-    _, pro = jax.lax.top_k(jnp.where(cand, pri, -jnp.inf), k)
-    _, dem = jax.lax.top_k(jnp.where(victim, -pri, -jnp.inf), k)
-    n_c = jnp.minimum(jnp.sum(cand, axis=-1), k)
-    n_v = jnp.minimum(jnp.sum(victim, axis=-1), k)
-    room = jnp.maximum(jnp.asarray(room, jnp.int32), 0)
-    n_d = jnp.minimum(jnp.maximum(n_c - room, 0), n_v)
-    n_p = jnp.minimum(n_c, room + n_d)
     i32 = jnp.int32
+    if k == 0:
+        z = jnp.zeros((rows, 0), i32)
+        zn = jnp.zeros((rows,), i32)
+        return z, zn, z, zn
+    big = 1e6  # target membership outranks any priority (expected reads <= window steps)
+    rank = jnp.where(target, big, 0.0) + priority.astype(jnp.float32)
+    cand = reads & valid & ~in_hbm
+    if admit == "target":
+        cand &= target
+    victim = in_hbm & valid & ~reads
+    if admit == "target":
+        victim &= ~target
+    c_rank, pro = jax.lax.top_k(jnp.where(cand, rank + 1.0, -jnp.inf), k)  # best first
+    v_neg, dem = jax.lax.top_k(jnp.where(victim, -rank, -jnp.inf), k)  # worst first
+    room = jnp.maximum(jnp.asarray(room, i32), 0)
+    j = jnp.arange(k)[None] - room[:, None]  # the victim the i-th candidate would displace
+    v_rank = -jnp.take_along_axis(v_neg, jnp.clip(j, 0, k - 1), axis=1)
+    has_victim = (j < k) & jnp.isfinite(v_rank)
+    better = (c_rank > v_rank) if admit == "ranked" else True
+    ok = jnp.isfinite(c_rank) & ((j < 0) | (has_victim & better))
+    n_p = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)  # the leading run that qualifies
+    n_d = jnp.maximum(n_p - room, 0)
     return pro.astype(i32), n_p.astype(i32), dem.astype(i32), n_d.astype(i32)
 
 
@@ -428,6 +450,7 @@ class Anneal:
     spread: float = 0.0
     dual: bool = False
     follow: bool = False
+    follow_admit: str = "read"  # `follow_moves`'s admit rule
     prompt_len: int = 0
     block_size: int = 16
     seed: int = 0
@@ -465,6 +488,10 @@ class Anneal:
                 "Anneal follow=True plans a target from an online forecast ('ema' or 'reuse') "
                 f"and cannot be combined with now=True; got forecast={self.forecast!r}, "
                 f"now={self.now!r}"
+            )
+        if self.follow_admit not in FOLLOW_ADMITS:
+            raise ValueError(
+                f"Anneal follow_admit must be one of {FOLLOW_ADMITS}, got {self.follow_admit!r}"
             )
         if not 0.0 <= self.spread < float("inf"):
             raise ValueError(f"Anneal spread must be finite and >= 0, got {self.spread!r}")
@@ -822,8 +849,8 @@ def split_name(name: str) -> tuple[str, tuple[str, ...]]:
     if base not in POLICIES:
         raise ValueError(
             f"unknown policy {name!r}; expected one of {sorted(POLICIES)} "
-            "(anneal / anneal-oracle take +aw, +ec; anneal also +reuse, +now, +follow; anneal-oracle "
-            "+visits, +dual)"
+            "(anneal / anneal-oracle take +aw, +ec; anneal also +reuse, +now, +follow; "
+            "anneal-oracle +visits, +dual)"
         )
     if mods and base not in ("anneal", "anneal-oracle"):
         raise ValueError(

@@ -23,7 +23,7 @@ from jaxkv.decode import Decoder, summarize
 from jaxkv.policies import POLICIES, split_name
 from models.default import default_model
 
-DEFAULT_POLICIES = ("static", "lru", "anneal", "anneal+reuse+now")
+DEFAULT_POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow")
 
 
 def _prompt_bytes(n: int) -> np.ndarray:
@@ -66,7 +66,7 @@ def run_demo(
     if unknown:
         raise ValueError(
             f"unknown policies {unknown}; expected names from {sorted(POLICIES)}, anneal with "
-            "+reuse, +now, +ec"
+            "+reuse, +follow, +aw, +ec"
         )
     for p in policies:
         split_name(p)  # a bad modifier: the error names the valid ones
@@ -106,8 +106,10 @@ def run_demo(
             jax.block_until_ready(state)
             bar.update(int(state.step) - before)
         wall = time.perf_counter() - t0
-        summary = summarize(state)
-        summary["wall_tokens_per_s"] = (int(state.step) - s0) / wall if wall > 0 else float("nan")
+        n = int(state.step) - s0
+        plan_s = dec.plan_seconds(params, state)
+        summary = summarize(state, plan_seconds=plan_s, step_seconds=wall / n if n else None)
+        summary["wall_tokens_per_s"] = n / wall if wall > 0 and n else float("nan")
         summary["hbm_blocks"] = cfg.hbm_blocks
         summary["total_blocks"] = cfg.total_blocks
         results[name] = summary
@@ -132,6 +134,11 @@ def run_demo(
                 "migrated_blocks": r["migrated_blocks"],
                 "modeled_tokens_per_s": r["modeled_tokens_per_s"],
                 "wall_tokens_per_s": r["wall_tokens_per_s"],
+                "plan_ms": r["plan_ms"],
+                "plan_ms_per_step": r["plan_ms_per_step"],
+                "modeled_tokens_per_s_with_plan": r.get(
+                    "modeled_tokens_per_s_with_plan", r["modeled_tokens_per_s"]
+                ),
             }
             for name, r in results.items()
         },
@@ -139,7 +146,17 @@ def run_demo(
 
 
 def format_table(report: dict) -> str:
-    rows = [("policy", "HBM hit rate", "blocks migrated", "modeled tok/s", "wall tok/s")]
+    rows = [
+        (
+            "policy",
+            "HBM hit rate",
+            "blocks migrated",
+            "modeled tok/s",
+            "plan ms (/step)",
+            "modeled tok/s, plan charged",
+            "wall tok/s",
+        )
+    ]
     base = report["policies"]["all-hbm"]["wall_tokens_per_s"]
     for name, r in report["policies"].items():
         rows.append(
@@ -148,6 +165,8 @@ def format_table(report: dict) -> str:
                 f"{100 * r['hbm_hit_rate']:.1f}%",
                 str(r["migrated_blocks"]),
                 f"{r['modeled_tokens_per_s']:,.0f}",
+                f"{r['plan_ms']:.2f} ({r['plan_ms_per_step']:.3f})",
+                f"{r['modeled_tokens_per_s_with_plan']:,.0f}",
                 f"{r['wall_tokens_per_s']:,.1f} ({r['wall_tokens_per_s'] / base:.2f}x)",
             )
         )
@@ -161,12 +180,17 @@ def format_table(report: dict) -> str:
         f"footprint (all-hbm: 100%); {report['attention']} attention; modeled on "
         f"{report['profile']}; wall on {report['device']}, jax {report['jax']}"
     )
+    note = (
+        "plan ms: one plan's wall time on this device (a plan every W steps; /step spread "
+        "over the steps); 'plan charged' lengthens each modeled step by the share of a "
+        "step's wall time that planning adds here"
+    )
     tail = {
         True: "lossless: tokens identical to the all-HBM cache under every policy",
         False: "NOT lossless: some policy changed the generated tokens",
         None: "sparse attention: an approximation, tokens not compared",
     }[lossless]
-    return "\n".join([head, "", *lines, "", tail])
+    return "\n".join([head, "", *lines, "", note, tail])
 
 
 def _cmd(args) -> int:

@@ -73,7 +73,7 @@ def make_dense_attend(config: LlamaConfig):
         valid = jnp.arange(k.shape[2])[None, None, None, :] <= pos[:, None, None, None]
         p = jax.nn.softmax(jnp.where(valid, s, -jnp.inf), axis=-1)
         out = jnp.einsum("bkgs,bskd->bkgd", p, v[i], precision=hi).reshape(q.shape)
-        lengths = pos + 1 if i == last else pos
+        lengths = jnp.where(i == last, pos + 1, pos)  # i: the traced layer index
         return out.astype(q.dtype), DenseKV(k, v, lengths)
 
     return attend

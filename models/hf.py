@@ -134,16 +134,21 @@ def load_config(path: str | os.PathLike, *, dtype: str = "float32") -> LlamaConf
     return config_from_hf(_read_json(file), dtype=dtype, path=str(file))
 
 
-def hf_name(path: tuple) -> tuple[str, bool]:
-    """Our parameter path -> (Hugging Face tensor name, whether the weight is transposed)."""
+def hf_name(path: tuple, layer: int | None = None) -> tuple[str, bool]:
+    """Our parameter path -> (Hugging Face tensor name, whether the weight is transposed).
+
+    A path under ``layers`` (stacked: one array for all layers) names layer ``layer``'s tensor.
+    """
     if path == ("embed",):
         return "model.embed_tokens.weight", False
     if path == ("lm_head",):
         return "lm_head.weight", True
     if path == ("final_norm", "weight"):
         return "model.norm.weight", False
-    _, i, *rest = path
-    pre = f"model.layers.{i}"
+    if layer is None:
+        raise ValueError(f"hf_name{path}: a stacked layer parameter needs its layer index")
+    _, *rest = path
+    pre = f"model.layers.{layer}"
     if rest == ["attn_norm", "weight"]:
         return f"{pre}.input_layernorm.weight", False
     if rest == ["mlp_norm", "weight"]:
@@ -151,6 +156,13 @@ def hf_name(path: tuple) -> tuple[str, bool]:
     part, proj, kind = rest
     sub = "self_attn" if part == "attn" else "mlp"
     return f"{pre}.{sub}.{proj}_proj.{'weight' if kind == 'w' else 'bias'}", kind == "w"
+
+
+def _tensor_names(path: tuple, num_layers: int) -> list[tuple[str, bool]]:
+    """The Hugging Face tensors of one of our parameters: one, or one per layer (stacked)."""
+    if path[0] == "layers":
+        return [hf_name(path, i) for i in range(num_layers)]
+    return [hf_name(path)]
 
 
 def _open_shards(folder: Path) -> dict[str, SafetensorsFile]:
@@ -206,20 +218,24 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str = "float32") -> Llama
     used = set()
     flat = []
     for p, var in nnx.to_flat_state(state):
-        name, transpose = hf_name(p)
-        if name not in tensors:
-            raise ValueError(f"{folder}: tensor {name!r} not found in the checkpoint")
-        file = tensors[name]
-        expected = var.shape[::-1] if transpose else var.shape
-        if file.shape(name) != tuple(expected):
-            raise ValueError(
-                f"{file.path}: tensor {name!r} has shape {file.shape(name)}: expected "
-                f"{tuple(expected)} from config.json"
-            )
-        a = np.asarray(file.get(name))
-        a = a.T if transpose else a
-        used.add(name)
-        flat.append((p, var.replace(jnp.asarray(a.astype(target)))))
+        names = _tensor_names(p, config.num_layers)
+        shape = var.shape[1:] if p[0] == "layers" else var.shape
+        parts = []
+        for name, transpose in names:
+            if name not in tensors:
+                raise ValueError(f"{folder}: tensor {name!r} not found in the checkpoint")
+            file = tensors[name]
+            expected = shape[::-1] if transpose else shape
+            if file.shape(name) != tuple(expected):
+                raise ValueError(
+                    f"{file.path}: tensor {name!r} has shape {file.shape(name)}: expected "
+                    f"{tuple(expected)} from config.json"
+                )
+            a = np.asarray(file.get(name))
+            parts.append((a.T if transpose else a).astype(target))
+            used.add(name)
+        a = np.stack(parts) if p[0] == "layers" else parts[0]
+        flat.append((p, var.replace(jnp.asarray(a))))
     unexpected = sorted(
         n
         for n in tensors
@@ -307,9 +323,11 @@ def save_pretrained(model: Llama, path: str | os.PathLike, *, tokenizer=None, **
     cfg = hf_config_dict(model.config, **extra)
     tensors = {}
     for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name, transpose = hf_name(p)
         a = np.asarray(jax.device_get(var[...]))
-        tensors[name] = np.ascontiguousarray(a.T if transpose else a)
+        stacked = p[0] == "layers"
+        for i, (name, transpose) in enumerate(_tensor_names(p, model.config.num_layers)):
+            x = a[i] if stacked else a
+            tensors[name] = np.ascontiguousarray(x.T if transpose else x)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     if tokenizer is not None:

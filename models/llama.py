@@ -8,6 +8,11 @@ Three entry points share one set of weights:
 - ``decode_step``: one token per sequence, attention delegated to an ``attend`` callback (the
   tiered KV cache of ``jaxkv``), everything else (projections, RoPE, residuals, MLP) done here.
 
+The layers are stored stacked (``Llama.layers`` is one :class:`Block` whose parameters carry a
+leading ``[num_layers]`` axis) and every entry point runs them under one ``jax.lax.scan``: the
+layer body is traced and compiled once, whatever the depth (32 layers compile as fast as 4).
+``Llama.layer(i)`` returns layer ``i`` as a plain Block.
+
 GQA mapping (binding for ``attend`` implementations): query head ``h`` reads KV head
 ``h // (num_heads // num_kv_heads)``, as Hugging Face's ``repeat_kv`` does.
 
@@ -272,7 +277,14 @@ class Block(nnx.Module):
         self.mlp = MLP(c, std, rngs=rngs)
 
 
-AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def stack_blocks(blocks: list[Block]) -> Block:
+    """One Block whose parameters are those of ``blocks`` stacked on a leading layer axis."""
+    graphdef, _ = nnx.split(blocks[0])
+    states = [nnx.split(b)[1] for b in blocks]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
 class Llama(nnx.Module):
@@ -284,11 +296,31 @@ class Llama(nnx.Module):
         dt = c.jnp_dtype
         std = c.init_std
         self.embed = _init(rngs, (c.vocab_size, c.dim), std, dt)  # [vocab, dim]
-        self.layers = nnx.List([Block(c, std, rngs=rngs) for _ in range(c.num_layers)])
+        # built layer by layer (the same random draws as unstacked layers), stored stacked
+        self.layers = stack_blocks([Block(c, std, rngs=rngs) for _ in range(c.num_layers)])
         self.final_norm = RMSNorm(c.dim, c.norm_eps, dt)
         self.lm_head = (  # [dim, vocab]
             None if c.tie_embeddings else _init(rngs, (c.dim, c.vocab_size), std, dt)
         )
+
+    def layer(self, i: int) -> Block:
+        """Layer ``i`` (a Python int) as a Block of its own (a view for inspection and tests)."""
+        if not 0 <= i < self.config.num_layers:
+            raise ValueError(f"layer {i}: expected 0 <= i < num_layers={self.config.num_layers}")
+        graphdef, state = nnx.split(self.layers)
+        return nnx.merge(graphdef, jax.tree.map(lambda x: x[i], state))
+
+    def _scan_layers(self, body, carry, xs=None):
+        """``jax.lax.scan`` of ``body(block, layer, carry, x) -> (carry, y)`` over the stacked
+        layers, ``layer`` the traced int32 index: one traced and compiled layer body."""
+        graphdef, state = nnx.split(self.layers)
+        idx = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+
+        def step(carry, inp):
+            st, i, x = inp
+            return body(nnx.merge(graphdef, st), i, carry, x)
+
+        return jax.lax.scan(step, carry, (state, idx, xs))
 
     # ----------------------------------------------------------------------------------------
     def _logits(self, h: jax.Array) -> jax.Array:  # [..., dim] -> [..., vocab] float32
@@ -330,15 +362,12 @@ class Llama(nnx.Module):
         if c.sliding_window is not None:
             mask &= qi - ki < c.sliding_window
         h = self.embed[...][tokens]  # [B, T, dim]
-        ks, vs = [], []
         scale = 1.0 / math.sqrt(c.head_dim)
         prec = _precision(c.jnp_dtype)
-        for block in self.layers:
+
+        def body(block, i, h, _):
             with jax.named_scope("attention"):
                 q, k, v = self._qkv(block, block.attn_norm(h), positions)
-                if return_kv:
-                    ks.append(k)
-                    vs.append(v)
                 qg = q.reshape(b, t, c.num_kv_heads, c.group_size, c.head_dim)
                 s = jnp.einsum(
                     "bqkgd,bskd->bkgqs", qg, k, precision=prec, preferred_element_type=jnp.float32
@@ -350,10 +379,13 @@ class Llama(nnx.Module):
                 h = h + block.attn.o(o.reshape(b, t, c.num_heads * c.head_dim))
             with jax.named_scope("mlp"):
                 h = h + block.mlp(block.mlp_norm(h))
+            return h, ((k, v) if return_kv else None)
+
+        h, kv = self._scan_layers(body, h)
         logits = self._logits(h)
         if not return_kv:
             return logits
-        return logits, jnp.stack(ks), jnp.stack(vs)
+        return logits, kv[0], kv[1]
 
     # ----------------------------------------------------------------------------------------
     def __call__(
@@ -388,7 +420,9 @@ class Llama(nnx.Module):
     ) -> tuple[jax.Array, Any]:
         """One decoding step with attention delegated to ``attend``.
 
-        For each layer ``i`` (a Python int) the model computes ``q`` [batch, num_heads, head_dim]
+        For each layer ``i`` (a traced int32 scalar: the layers run under one ``lax.scan``, so
+        ``attend`` is traced once and ``carry`` keeps one structure across layers) the model
+        computes ``q`` [batch, num_heads, head_dim]
         and ``k_new``, ``v_new`` [batch, num_kv_heads, head_dim] (RoPE applied at ``positions``)
         and calls ``out, carry = attend(i, q, k_new, v_new, carry)``; ``attend`` stores the new
         K/V and returns the attention output ``out`` [batch, num_heads, head_dim] over every token
@@ -407,16 +441,21 @@ class Llama(nnx.Module):
             )
         b = tokens.shape[0]
         h = self.embed[...][tokens]  # [B, dim]
-        for i, block in enumerate(self.layers):
+
+        def body(block, i, hc, _):
+            h, carry = hc
             with jax.named_scope("attention"):
                 q, k, v = self._qkv(block, block.attn_norm(h), positions)
                 out, carry = attend(i, q, k, v, carry)
                 if out.shape != q.shape:
                     raise ValueError(
-                        f"attend(layer {i}) returned shape {out.shape}: expected {q.shape} "
+                        f"attend returned shape {out.shape}: expected {q.shape} "
                         "[batch, num_heads, head_dim]"
                     )
                 h = h + block.attn.o(out.astype(h.dtype).reshape(b, c.num_heads * c.head_dim))
             with jax.named_scope("mlp"):
                 h = h + block.mlp(block.mlp_norm(h))
+            return (h, carry), None
+
+        (h, carry), _ = self._scan_layers(body, (h, carry))
         return self._logits(h), carry

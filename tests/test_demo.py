@@ -28,8 +28,14 @@ def test_demo_json_is_lossless(capsys):
             "migrated_blocks",
             "modeled_tokens_per_s",
             "wall_tokens_per_s",
+            "plan_ms",
+            "plan_ms_per_step",
+            "modeled_tokens_per_s_with_plan",
         }
         assert r["wall_tokens_per_s"] > 0
+        assert r["modeled_tokens_per_s_with_plan"] <= r["modeled_tokens_per_s"]
+    assert report["policies"]["static"]["plan_ms"] == 0.0  # static never plans
+    assert report["policies"]["lru"]["plan_ms"] > 0.0
     assert report["policies"]["all-hbm"]["hbm_hit_rate"] == 1.0
     assert report["policies"]["static"]["hbm_hit_rate"] < 0.5
 
@@ -53,17 +59,24 @@ def test_demo_table_is_readable(capsys):
                 "migrated_blocks": 0,
                 "modeled_tokens_per_s": 10.0,
                 "wall_tokens_per_s": 4.0,
+                "plan_ms": 0.0,
+                "plan_ms_per_step": 0.0,
+                "modeled_tokens_per_s_with_plan": 10.0,
             },
             "lru": {
                 "hbm_hit_rate": 0.5,
                 "migrated_blocks": 3,
                 "modeled_tokens_per_s": 5.0,
                 "wall_tokens_per_s": 2.0,
+                "plan_ms": 1.5,
+                "plan_ms_per_step": 0.375,
+                "modeled_tokens_per_s_with_plan": 4.5,
             },
         },
     }
     text = format_table(report)
     assert "policy" in text and "lru" in text and "(0.50x)" in text and "lossless" in text
+    assert "1.50 (0.375)" in text and "plan charged" in text
 
 
 def test_demo_unknown_policy_is_a_clear_error(capsys):

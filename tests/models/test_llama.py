@@ -106,7 +106,7 @@ def test_tiny_greedy_is_not_degenerate(model):
 
 def test_tied_and_biases_and_bf16():
     m = tiny_model(seed=1, tie_embeddings=True, qkv_bias=True, o_bias=True, mlp_bias=True)
-    assert m.lm_head is None and m.layers[0].attn.q.b is not None
+    assert m.lm_head is None and m.layer(0).attn.q.b is not None
     n = sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
     assert n == m.config.num_params()
     tokens = jnp.arange(6, dtype=jnp.int32)[None]
@@ -189,7 +189,7 @@ def test_input_errors(model):
     def bad_attend(i, q, k, v, carry):
         return q[:, :1], carry
 
-    with pytest.raises(ValueError, match=r"attend\(layer 0\) returned shape \(2, 1, 16\)"):
+    with pytest.raises(ValueError, match=r"attend returned shape \(2, 1, 16\)"):
         model.decode_step(jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), bad_attend, carry)
 
 
