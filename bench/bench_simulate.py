@@ -57,8 +57,11 @@ def row(res, names, with_plan=False):
     for n in names:
         v = p[n]
         plan = f" / {v['vs_unlimited_with_plan']:.3f}" if with_plan else ""
+        # the plan time measured here per simulated step (plan_seconds x plans / steps)
+        per = f", {1e3 * v['plan_seconds'] / res['setup']['steps']:.2f} ms" if with_plan else ""
         cells.append(
-            f"{v['latency_s']:.3f} ({v['vs_unlimited']:.3f}{plan}, {100 * v['hbm_hit_rate']:.0f}%)"
+            f"{v['latency_s']:.3f} ({v['vs_unlimited']:.3f}{plan}, "
+            f"{100 * v['hbm_hit_rate']:.0f}%{per})"
         )
     return cells
 
@@ -121,16 +124,20 @@ def main(argv=None) -> int:
     print(
         f"# prompt {args.prompt_len}, {args.steps} steps, {args.layers} layers, geometry "
         f"{args.geometry}, profile {args.profile}, anneal W={args.window} interval="
-        f"{args.interval} discount={args.discount} ride={args.ride} (+now W="
-        f"{args.now_window}, ride 1, spread {args.now_spread}; oracle W="
+        f"{args.interval} discount={args.discount} ride="
+        f"{'default' if args.ride is None else args.ride} (+now W={args.now_window}, ride "
+        f"{1 if args.ride is None else args.ride}, spread {args.now_spread}; oracle W="
         f"{args.oracle_window} discount={args.oracle_discount} tail={args.oracle_tail}, +dual "
-        f"W={args.dual_window}; +follow W={args.follow_window}) "
+        f"W={args.dual_window}; +follow W={args.follow_window} admit="
+        f"{args.follow_admit or 'default'}) "
         f"chains={args.chains}"
     )
     print(
         "# cell: latency s (latency / Unlimited"
         + (" / with the plan time charged" if args.with_plan else "")
-        + ", HBM hit rate)"
+        + ", HBM hit rate"
+        + (", plan ms per step: plan_seconds / steps, measured here" if args.with_plan else "")
+        + ")"
     )
     print("# bound@capacity, bound@cache: the lower bounds / Unlimited (jaxkv.bounds)")
     print(

@@ -30,13 +30,15 @@ the read set of the step it plans for, Page's one-step lookahead: `Anneal.now`, 
 `+follow` (`Anneal.follow`, what the decode loop runs in place of `+now`, whose annealer would
 sit on each layer's critical path: every `follow_window` steps the annealer plans a target for
 all layers between steps and nothing moves then; at every step the vector rule
-`jaxkv.policies.follow_moves` promotes, per layer, the host blocks the step reads that the
-target marks for HBM, each charged one block of HBM write and no link transfer, the read that
-carries it being a host read, and demotes, only to make room beyond the free slots, resident
-blocks the target leaves out and the step does not read, least expected reads first, each
-charged `demote_cost` x block bytes on each side; priced like `+now`'s later steps, `ride` 1 and
-`spread` `NOW_SPREAD`; `rule_seconds` is the rule's measured time over the run, not charged in
-`vs_unlimited_with_plan`); `anneal-oracle` takes `+visits` (a diagnostic: the oracle told only
+`jaxkv.policies.follow_moves` promotes, per layer, host blocks the step reads (its `admit` rule,
+`follow_admit`: "read" every one, the policy's default and the decode loop's; "ranked" one that
+outranks its victim; "target" only those the target marks for HBM), each charged one block of
+HBM write and no link transfer, the read that carries it being a host read, and demotes, only
+to make room beyond the free slots, resident blocks the step does not read, ranked by (in the
+target, expected reads) lowest first, each charged `demote_cost` x block bytes on each side;
+priced like `+now`'s later steps, `ride` 1 and `spread` `NOW_SPREAD`; `rule_seconds` is the
+rule's measured time over the run, not charged in `vs_unlimited_with_plan`); `anneal-oracle`
+takes `+visits` (a diagnostic: the oracle told only
 how long each visit in progress lasts, not when one starts, `importance.visits_forecast`: how
 much of the online planners' gap no forecast of visit lengths can close) and `+dual` (the value
 of a block after the oracle's window from the LP relaxation's dual prices over the whole run,
@@ -93,12 +95,17 @@ NEVER = 1 << 30
 # W of `anneal-oracle+dual`: 2 beat 3 and 1 on recency-high 0.8, recency-low 0.6 and patterns
 # 0.6 at 300 steps (bench/RESULTS.md)
 DUAL_WINDOW = 2
-# W of the `+follow` policies (steps between their plans and their lookahead): 16 had the best
-# vs_unlimited_with_plan of 4, 8, 16 (4 layers, 512 steps, recency-low / patterns / real-like at
-# 0.5 / 0.6 / 0.8), only because the plan time measured on the CPU (about 14 / 23 / 41 ms per
-# plan) dwarfs the modeled GPU step; without planning 4 beat 8 and 16 in every cell
-# (bench/notebook/2026-12-01-follow.md)
-FOLLOW_WINDOW = 16
+# W of the `+follow` policies (steps between their plans and their lookahead), with follow_admit
+# "read" (4 layers, 512 steps, recency-low / patterns / real-like at 0.5 / 0.6 / 0.8): without
+# planning 4 ties 8 and 16 on recency-low and patterns (every host read is written to HBM, so
+# those steps are HBM-bound whatever the victims) and beats them on real-like by 1-11%. Planning
+# at W 4 adds 4-6.4 ms per step on the CPU (W 16: 2-3.3 ms), 3-5.5% of the CPU's time to read
+# a 4-layer step's weights and KV once (94-151 ms, a lower bound on a decode step there), so
+# small on the same device: with that share charged W 16 leads by 1.5-3% where placement does
+# not matter and W 8 / 16 real-like 0.8 by 1.3%, W 4 leads real-like 0.6 by 5-11%, real-like
+# 0.5 is level. Charged against the modeled GH200 step
+# (vs_unlimited_with_plan) W 16 wins (bench/notebook/2026-12-01-follow.md, "admit=read")
+FOLLOW_WINDOW = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,9 +277,10 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0, va
         )
         r = reads_buf[c]  # [L, N]
         if follow:
-            # every step: promote the blocks this step reads from host that the target marks
-            # for HBM (the read carries them over the link: an HBM write each, and the read is
-            # a host read), demoting unread blocks the target leaves out only to make room
+            # every step: promote the blocks this step reads from host that the admit rule
+            # takes (the read carries them over the link: an HBM write each, and the read is a
+            # host read), demoting unread blocks, lowest (in target, expected) first, only to
+            # make room
             budget = policy.budget if policy.budget is not None else N
             room = s.capacity - jnp.sum(in_hbm, axis=-1)
             pro_i, n_p, dem_i, n_d = follow_moves(
@@ -497,7 +505,8 @@ def simulate(
     oracle_tail: int = 30,
     dual_window: int = DUAL_WINDOW,
     follow_window: int = FOLLOW_WINDOW,
-    ride: float = 0.0,
+    follow_admit: str | None = None,
+    ride: float | None = None,
     anneal_config: AnnealConfig | None = None,
     paper_sa_grid=PAPER_SA_GRID,
     steps: int | None = None,
@@ -539,7 +548,10 @@ def simulate(
       dual_window: W of `anneal-oracle+dual` (its discount is oracle_discount).
       follow_window: W of the `+follow` policies: they plan a target every W steps (interval 0)
         over a W-step window and follow it at every step (`jaxkv.policies.follow_moves`).
-      ride: the anneal policies' receding-horizon pricing (`jaxkv.policies.Anneal.ride`).
+      follow_admit: the `+follow` policies' admit rule (`jaxkv.policies.follow_moves`:
+        "read", "ranked" or "target"); None = the policy's default (`Anneal.follow_admit`).
+      ride: the anneal policies' receding-horizon pricing (`jaxkv.policies.Anneal.ride`); None
+        = each policy's default (0 for `anneal`, 1 for `+now` / `+follow`), 0.0 a real value.
       anneal_config: schedule of the anneal policies.
       paper_sa_grid: (lookaheads, fractions) searched for paper-sa.
       steps: simulate the first `steps` steps only.
@@ -561,6 +573,11 @@ def simulate(
     """
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity must lie in [0, 1), got {sparsity!r}")
+    if follow_admit is not None:
+        from jaxkv.policies import FOLLOW_ADMITS  # at call time: older policies lack it
+
+        if follow_admit not in FOLLOW_ADMITS:
+            raise ValueError(f"follow_admit must be one of {FOLLOW_ADMITS}, got {follow_admit!r}")
     geometry, capacity_blocks = pool_capacity(trace, geometry, hbm_budget, capacity_blocks)
     setup = Setup(
         trace.prompt_len,
@@ -599,8 +616,9 @@ def simulate(
             discount=oracle_discount if oracle else discount,
             seed=seed,
             **(dict(tail=oracle_tail) if oracle and oracle_tail else {}),
-            **(dict(ride=ride) if ride else {}),
+            **({} if ride is None else dict(ride=float(ride))),
             **(dict(spread=now_spread) if "+now" in n else {}),
+            **(dict(follow_admit=follow_admit) if follow and follow_admit is not None else {}),
         )
     n_steps = min(steps or trace.steps, trace.steps)
     horizon = max([getattr(p, "horizon", 1) for p in pols.values()] + [1])
@@ -707,6 +725,9 @@ def simulate(
                 _time_rule(pols[n], states[n], setup, reads, n_steps - 1) if time_plans else 0.0
             )
             out[n]["rule_seconds"] = per_rule * n_steps
+            out[n]["follow_admit"] = _admit(pols[n]).get("admit")
+        if hasattr(pols[n], "ride"):
+            out[n]["ride"] = float(pols[n].ride)
         if getattr(pols[n], "needs_values", False):
             out[n]["dual_seconds"] = dual_wall  # the LP dual over the whole run, before it
     sa = [n for n in names if n.startswith("paper-sa[") and n not in policies]

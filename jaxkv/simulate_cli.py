@@ -111,11 +111,20 @@ def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> 
         "per-step rule follows the target: jaxkv.policies.follow_moves)",
     )
     p.add_argument(
+        "--follow-admit",
+        choices=("read", "ranked", "target"),
+        default=None,
+        help="anneal+follow: which host blocks a step reads its rule may promote "
+        "(jaxkv.policies.follow_moves): every one (read), one that outranks its victim "
+        "(ranked), or the target's only (target); default: the policy's (Anneal.follow_admit)",
+    )
+    p.add_argument(
         "--ride",
         type=float,
-        default=0.0,
+        default=None,
         help="anneal policies: share of later re-plans priced in (promotion at a block's first "
-        "read; jaxkv.policies.Anneal.ride), 0 = a plan's placement held over its window",
+        "read; jaxkv.policies.Anneal.ride), 0 = a plan's placement held over its window; "
+        "default: each policy's own (0 for anneal, 1 for +now / +follow)",
     )
     p.add_argument("--chains", type=int, default=8, help="anneal chains")
     p.add_argument("--chunk", type=int, default=chunk)
@@ -148,6 +157,7 @@ def simulation_kwargs(args) -> dict:
         oracle_tail=args.oracle_tail,
         dual_window=args.dual_window,
         follow_window=args.follow_window,
+        follow_admit=args.follow_admit,
         ride=args.ride,
         anneal_config=AnnealConfig(chains=args.chains),
         seed=args.seed,

@@ -449,6 +449,112 @@ def test_follow_plans_every_window(W, chunk):
     assert f["rule_seconds"] == 0.0 and f["plan_seconds"] == 0.0
 
 
+@pytest.mark.skipif(not LITERAL, reason="follow_moves has no admit rule")
+def test_follow_admit_read_promotes_every_host_read():
+    """admit="read": every block a step reads from host is promoted while the pool has room
+    (no demotion then); beyond it each promotion displaces an unread resident block, so all are
+    promoted while such victims last, and a layer never holds more than capacity blocks: on
+    random rows of follow_moves, then step by step in the simulator (whose pool, filled in write
+    order and demoted only for a promotion, stays full: the displacing case)."""
+    rng = np.random.default_rng(0)
+    n, rows = 12, 64
+    valid = np.arange(n)[None] < rng.integers(1, n + 1, (rows, 1))
+    in_hbm = valid & (rng.random((rows, n)) < 0.5)
+    reads = valid & (rng.random((rows, n)) < 0.4)
+    target = rng.random((rows, n)) < 0.5
+    pri = rng.random((rows, n)).astype(np.float32)
+    cap = in_hbm.sum(-1) + rng.integers(0, 5, rows)
+    room = cap - in_hbm.sum(-1)
+    p, n_p, d, n_d = pol.follow_moves(
+        *map(jnp.asarray, (in_hbm, valid, reads, target, pri, room)), n, admit="read"
+    )
+    pm, dm = np.asarray(pol.moves_mask(p, n_p, n)), np.asarray(pol.moves_mask(d, n_d, n))
+    cand = reads & valid & ~in_hbm
+    victims = (in_hbm & valid & ~reads).sum(-1)
+    after = (in_hbm | pm) & ~dm
+    assert (after.sum(-1) <= cap).all()
+    assert not (pm & ~cand).any() and not (dm & ~(in_hbm & ~reads)).any()
+    assert (pm.sum(-1) == np.minimum(cand.sum(-1), room + victims)).all()
+    fits = room >= cand.sum(-1)
+    assert fits.any() and (cand.sum(-1)[fits] > 0).any()  # the draw has roomy rows that read
+    assert (pm[fits] == cand[fits]).all() and not dm[fits].any()
+
+    trace, sparsity, W, cap = _follow_trace(), 0.5, 4, 5
+    setup = sim.Setup(
+        trace.prompt_len,
+        trace.block_size,
+        trace.num_layers,
+        trace.num_blocks,
+        cap,
+        GEO.token_bytes,
+        float(GEO.weight_bytes),
+        PROF,
+    )
+    policy = sim.make_policy(
+        "anneal+reuse+follow", setup, anneal_config=FAST, window=W, interval=0, follow_admit="read"
+    )
+    assert policy.follow_admit == "read"
+    steps = trace.steps
+    mass = trace.mass(0, steps + 1)
+    reads = np.asarray(sim.read_mask(mass, trace.prompt_len, trace.block_size, sparsity, 0))
+    state = sim.init_state(policy, setup)
+    blk = np.arange(trace.num_blocks)
+    promoted = 0
+    for t in range(steps):
+        before = np.asarray(state.in_hbm)
+        sealed = (trace.prompt_len + t) // trace.block_size
+        new = t > 0 and sealed > (trace.prompt_len + t - 1) // trace.block_size
+        free = before.sum(-1) < cap
+        before = before | ((blk == sealed - 1)[None] & new & free[:, None])
+        valid = blk[None] < sealed
+        state = sim.run_chunk(
+            setup, 1, state, jnp.asarray(reads[t : t + 2]), mass[t : t + 2], jnp.int32(t)
+        )
+        after = np.asarray(state.in_hbm)
+        pro, dem = after & ~before, before & ~after
+        cand = reads[t] & valid & ~before  # host blocks read now
+        room = cap - before.sum(-1)
+        victims = (before & valid & ~reads[t]).sum(-1)
+        want = np.minimum(cand.sum(-1), room + victims)
+        assert (after.sum(-1) <= cap).all(), t
+        assert not (pro & ~cand).any() and not (dem & reads[t]).any(), t
+        assert (pro.sum(-1) == want).all(), t
+        assert (dem.sum(-1) == np.maximum(want - room, 0)).all(), t
+        # the promoted blocks' reads are host reads
+        assert float(state.hbm_reads) == (reads[t] & before).sum()
+        promoted += pro.sum()
+    assert promoted > 0
+
+
+def test_simulate_follow_admit_and_ride():
+    """simulate passes follow_admit to the +follow policies, and ride=0.0 is a real value
+    (None: each policy's default)."""
+    kw = dict(
+        profile=PROF,
+        geometry=GEO,
+        sparsity=0.5,
+        capacity_blocks=3,
+        chunk=8,
+        steps=8,
+        follow_window=4,
+        anneal_config=FAST,
+        progress=False,
+        time_plans=False,
+    )
+    names = ["anneal+reuse+follow", "anneal+reuse+now", "anneal"]
+    res = sim.simulate(_follow_trace(), names, **kw)["policies"]
+    assert [res[n]["ride"] for n in names] == [1.0, 1.0, 0.0]
+    res = sim.simulate(_follow_trace(), names, ride=0.0, **kw)["policies"]
+    assert [res[n]["ride"] for n in names] == [0.0, 0.0, 0.0]
+    if LITERAL:
+        assert res["anneal+reuse+follow"]["follow_admit"] == pol.Anneal().follow_admit
+        for a in ("read", "ranked", "target"):
+            got = sim.simulate(_follow_trace(), names[:1], follow_admit=a, **kw)["policies"]
+            assert got[names[0]]["follow_admit"] == a
+        with pytest.raises(ValueError, match="follow_admit must be one of"):
+            sim.simulate(_follow_trace(), names[:1], follow_admit="all", **kw)
+
+
 def test_modifier_on_wrong_policy():
     with pytest.raises(ValueError, match=r"modifiers \+aw/\+ec apply to anneal"):
         run(["lru+aw"])
