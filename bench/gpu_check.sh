@@ -97,5 +97,10 @@ fi
 # 32k decode, random model + KV, vs the run's two-tier bound; PASS/FAIL: HBM 25% exact static >= 50%
 step bench_decode_bound 120 "$PY" bench/bench_decode_bound.py --context 32768 \
   --json "$OUT/bench_decode_bound.json"
+# issue 19: the 8B shape (random weights, random KV) at 32k, batch 1: compile s, ms/step, plan
+# ms, hit rate, modeled tok/s and the fraction of the two-tier bound, static vs the live policy
+# (the JSON is rewritten after every case, so a cut run keeps what it measured)
+step bench_decode 150 "$PY" bench/bench_decode.py --shape 8b --contexts 32768 --batches 1 \
+  --policies static,anneal+reuse+follow --steps 8 --json "$OUT/bench_decode.json"
 step bench_sweep 40 "$PY" bench/bench_kernels.py --only-sweep --iters 10 --json "$OUT/bench_sweep.json"
 echo "done in $SECONDS s; results under $OUT" | tee -a "$SUMMARY"

@@ -1,11 +1,14 @@
 """Tier-aware blocked decode attention over a TieredKVCache.
 
 Per layer and step: select blocks (all of them in exact mode; in sparse mode the top-k by the
-Quest bound plus sink and recent blocks), attend the selected HBM blocks in place, copy the
-selected host blocks into a fixed-size device staging buffer (one bulk transfer per pool,
-`jaxkv.transfer`, which XLA can overlap with the HBM part) and attend them, then merge the two
-partial results by log-sum-exp. Placement never changes what is attended, only where it is
-read from.
+Quest bound plus sink and recent blocks), attend the selected HBM blocks, copy the selected host
+blocks into a device staging pool laid out per sequence (one bulk transfer per pool,
+`jaxkv.transfer`, which XLA can overlap with the HBM part) and attend them there, then merge the
+two partial results by log-sum-exp. On the XLA path each part touches only the blocks it reads:
+the HBM part gathers each sequence's selected HBM blocks compacted to the front
+(`compact_ids`), the host part reads the staging pool in place (`attend_compact`); the Pallas
+kernel reads the pools in place through the block table. Placement never changes what is
+attended, only where it is read from.
 """
 
 from __future__ import annotations
@@ -102,35 +105,89 @@ def fetch_host_blocks(cache: TieredKVCache, layer, read_host, num_staging: int):
     """Copies the selected host blocks of `layer` to a device staging pool in one transfer per
     pool (K and V; `jaxkv.transfer.read_blocks`, the cache's `fetch` mechanism).
 
-    The selected blocks are listed in (sequence, logical block) order, by a cumsum, into a
-    fixed-size list of `staging_size` entries; unused entries are marked and (under "pallas")
-    never read.
+    The staging pool is laid out per sequence: entry b * K + r holds sequence b's r-th selected
+    host block in logical order (K = `staging_width`), unused entries are marked and (under
+    "pallas") never read. So attention can read it in place, as [batch, K] blocks.
 
     Args:
       layer: int or traced int32 scalar.
       read_host: [batch, max_blocks] bool, at most `num_staging` per sequence.
       num_staging: per-sequence bound on the selected host blocks (`staging_blocks`).
     Returns:
-      staging_k, staging_v: [staging_size(...), block_size, kv_heads, head_dim] on the device;
-      staging_table: [batch, max_blocks] int32 staging slot of each selected block.
+      staging_k, staging_v: [batch * K, block_size, kv_heads, head_dim] on the device;
+      staging_table: [batch, max_blocks] int32 staging entry of each selected block;
+      ids: [batch, K] int32 logical block of each entry, -1 where unused.
     """
     c = cache.config
-    n = staging_size(c, num_staging)
-    flat = read_host.reshape(-1)
-    rank = (jnp.cumsum(flat) - 1).astype(jnp.int32)
-    rows = rows_of(layer, cache.slot[layer].reshape(-1), flat, c.host_blocks)
-    listed = jnp.full((n,), -1, jnp.int32).at[jnp.where(flat, rank, n)].set(rows, mode="drop")
+    K = staging_width(c, num_staging)
+    ids = compact_ids(read_host, K)
+    B = read_host.shape[0]
+    slot = jnp.take_along_axis(cache.slot[layer], jnp.maximum(ids, 0), axis=1)
+    listed = rows_of(layer, slot, ids >= 0, c.host_blocks).reshape(-1)  # [B * K]
     kind = c.host_memory_kind
     sk = read_blocks(cache.host_k, listed, c.fetch, pool_kind=kind)
     sv = read_blocks(cache.host_v, listed, c.fetch, pool_kind=kind)
-    staging_table = jnp.where(read_host, rank.reshape(read_host.shape), 0)
-    return sk, sv, staging_table
+    rank = (jnp.cumsum(read_host, axis=1) - 1).astype(jnp.int32)
+    staging_table = jnp.where(read_host, jnp.arange(B, dtype=jnp.int32)[:, None] * K + rank, 0)
+    return sk, sv, staging_table, ids
+
+
+def staging_width(config, num_staging: int) -> int:
+    """Staging entries per sequence: the per-sequence bound, capped by the logical blocks and
+    by the host pool (no more blocks can live there)."""
+    return max(1, min(num_staging, config.max_blocks, config.host_blocks))
 
 
 def staging_size(config, num_staging: int) -> int:
-    """Entries of a layer's host staging list: the per-sequence bound times the batch, capped
-    by the host pool (no more blocks can live there)."""
-    return max(1, min(config.batch * num_staging, config.host_blocks))
+    """Entries of a layer's host staging pool (`fetch_host_blocks`): batch x staging_width."""
+    return config.batch * staging_width(config, num_staging)
+
+
+def compact_ids(mask, width: int):
+    """[batch, width] int32: the column indices where `mask` [batch, M] is set, in order, -1
+    past each row's count (rows with more than `width` set keep their first `width`)."""
+    B, M = mask.shape
+    rank = jnp.cumsum(mask, axis=1) - 1
+    at = jnp.where(mask & (rank < width), rank, width)
+    cols = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (B, M))
+    return jnp.full((B, width), -1, jnp.int32).at[jnp.arange(B)[:, None], at].set(cols, mode="drop")
+
+
+def attend_compact(q, k, v, ids, lengths, scale, max_blocks: int):
+    """Attention over blocks laid out per sequence (the XLA path, no gather of unread blocks).
+
+    Args:
+      q: [batch, q_heads, head_dim]; k, v: [batch, K, block_size, kv_heads, head_dim];
+      ids: [batch, K] int32 logical block of each entry (-1: unused); lengths: [batch] tokens.
+    Returns:
+      out [batch, q_heads, head_dim] f32, lse [batch, q_heads] (-inf where nothing is
+      attended) and block_lse [batch, q_heads, max_blocks] (-inf for blocks not attended).
+    """
+    B, H, D = q.shape
+    _, K, bs, KV, _ = k.shape
+    pos = ids[:, :, None] * bs + jnp.arange(bs)[None, None, :]  # [B, K, bs]
+    valid = (ids[:, :, None] >= 0) & (pos < lengths[:, None, None])
+    qg = q.reshape(B, KV, H // KV, D).astype(jnp.float32)
+    s = jnp.einsum("bhgd,bkthd->bhgkt", qg, k.astype(jnp.float32)) * scale
+    s = jnp.where(valid[:, None, None], s, -jnp.inf)
+    m = s.max(axis=(-2, -1), keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m_safe)
+    total = p.sum(axis=(-2, -1))
+    out = jnp.einsum("bhgkt,bkthd->bhgd", p, v.astype(jnp.float32))
+    out = out / jnp.where(total > 0, total, 1.0)[..., None]
+    m0 = m_safe[..., 0, 0]
+    lse = jnp.where(total > 0, m0 + jnp.log(total), -jnp.inf)
+    pb = p.sum(axis=-1)  # [B, KV, G, K]
+    blse = jnp.where(pb > 0, m0[..., None] + jnp.log(jnp.where(pb > 0, pb, 1.0)), -jnp.inf)
+    blse = blse.reshape(B, H, K)
+    at = jnp.where(ids >= 0, ids, max_blocks)  # -> dropped
+    block_lse = (
+        jnp.full((B, H, max_blocks), -jnp.inf, jnp.float32)
+        .at[jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], at[:, None, :]]
+        .set(blse, mode="drop")
+    )
+    return out.reshape(B, H, D), lse.reshape(B, H), block_lse
 
 
 def resolve_impl(impl: str, config) -> str:
@@ -211,14 +268,29 @@ def tiered_attention(
     read_hbm = selected & (tier == TIER_HBM)
     read_host = selected & (tier == TIER_HOST)
     slot = cache.slot[layer]
+    n_stage = staging_blocks(placement, c.max_blocks)
+    scale_f = float(1.0 / math.sqrt(D) if scale is None else scale)
     with jax.named_scope("hbm_part"):
-        out_h, lse_h, blse_h = _attend(
-            impl, q, cache.hbm_k, cache.hbm_v, slot, read_hbm, lengths, scale, layer=layer
-        )
+        if impl == "pallas":
+            out_h, lse_h, blse_h = _attend(
+                impl, q, cache.hbm_k, cache.hbm_v, slot, read_hbm, lengths, scale, layer=layer
+            )
+        else:  # gather only the blocks this part reads (at most min(M, HBM slots) each)
+            ids_h = compact_ids(read_hbm, max(1, min(c.max_blocks, c.hbm_blocks)))
+            at = jnp.take_along_axis(slot, jnp.maximum(ids_h, 0), axis=1)
+            at = jnp.clip(at, 0, c.hbm_blocks - 1)
+            lay = jnp.clip(jnp.asarray(layer, jnp.int32), 0, c.num_layers - 1)
+            kh, vh = cache.hbm_k[lay, at], cache.hbm_v[lay, at]
+            out_h, lse_h, blse_h = attend_compact(q, kh, vh, ids_h, lengths, scale_f, c.max_blocks)
     with jax.named_scope("host_part"):
-        n_stage = staging_blocks(placement, c.max_blocks)
-        sk, sv, stable = fetch_host_blocks(cache, layer, read_host, n_stage)
-        out_d, lse_d, blse_d = _attend(impl, q, sk, sv, stable, read_host, lengths, scale)
+        sk, sv, stable, ids_x = fetch_host_blocks(cache, layer, read_host, n_stage)
+        if impl == "pallas":
+            out_d, lse_d, blse_d = _attend(impl, q, sk, sv, stable, read_host, lengths, scale)
+        else:  # the staging pool is already laid out per sequence: read in place
+            K = ids_x.shape[1]
+            kx = sk.reshape(c.batch, K, *sk.shape[1:])
+            vx = sv.reshape(c.batch, K, *sv.shape[1:])
+            out_d, lse_d, blse_d = attend_compact(q, kx, vx, ids_x, lengths, scale_f, c.max_blocks)
     out, lse = merge_partials(jnp.stack([out_h, out_d]), jnp.stack([lse_h, lse_d]))
     if blse_h is None:
         mass = jnp.zeros(selected.shape, jnp.float32)

@@ -425,8 +425,12 @@ class Decoder:
         # same placement as the old value: an uncommitted scalar would change the jit cache key
         w = jax.device_put(jnp.int32(window), pl.window.sharding)
         policy = pl.policy
-        if isinstance(policy, type(self.policy.init(1, 1))) and hasattr(policy, "window"):
-            policy = replace(policy, window=jax.device_put(jnp.int32(window), pl.window.sharding))
+        if dataclasses.is_dataclass(policy) and "window" in {
+            f.name for f in dataclasses.fields(policy)
+        }:  # the anneal policy's own W, its energy's window (`Anneal.plan`): its own buffer,
+            # since the state is donated
+            w_policy = jax.device_put(jnp.int32(window), policy.window.sharding)
+            policy = replace(policy, window=w_policy)
         return replace(state, placement=replace(pl, window=w, policy=policy))
 
     def plan_seconds(self, params, state: DecodeState, repeats: int = 3) -> float:

@@ -450,7 +450,7 @@ class Anneal:
     spread: float = 0.0
     dual: bool = False
     follow: bool = False
-    follow_admit: str = "read"  # `follow_moves`'s admit rule
+    follow_admit: str = "ranked"  # `follow_moves`'s admit rule (measured: bench/RESULTS.md)
     prompt_len: int = 0
     block_size: int = 16
     seed: int = 0
