@@ -161,9 +161,7 @@ def test_follow_plans_between_steps_and_follows_in_them(tiny, sparse_static):
     # the tiny model's sparse read set is its sink and two most recent blocks (topk 3): pure
     # recency, where promoting every block as it is read ("read") wins; the default "ranked"
     # wins where the read set churns (bench/RESULTS.md)
-    dec, state = _sparse_run(
-        tiny, "anneal+reuse+follow", 2, policy_kwargs={"follow_admit": "read"}
-    )
+    dec, state = _sparse_run(tiny, "anneal+reuse+follow", 2, policy_kwargs={"follow_admit": "read"})
     assert dec.follows and dec.policy.follow and dec.policy.window == 2
     kvc.check_invariants(state.cache)
     np.testing.assert_array_equal(np.asarray(state.tokens), np.asarray(sparse_static.tokens))
