@@ -260,6 +260,14 @@ class Decoder:
             )
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        window = getattr(mc, "sliding_window", None)
+        if window is not None and cache_config.max_len > window:
+            raise ValueError(
+                f"the model attends a sliding window of {window} tokens (e.g. Mistral) and the "
+                f"cache holds up to max_len={cache_config.max_len}: cached decoding attends "
+                "every cached token, so it would differ from the model past the window; use "
+                f"max_len <= {window}"
+            )
         graphdef, params = nnx.split(model)
         profile = HardwareProfile.preset(profile) if isinstance(profile, str) else profile
         values = dict(

@@ -70,12 +70,26 @@ def run_demo(
         )
     for p in policies:
         split_name(p)  # a bad modifier: the error names the valid ones
+    if not isinstance(new_tokens, int) or new_tokens < 3:
+        raise ValueError(
+            f"new_tokens={new_tokens!r}: expected >= 3 (one sampled at prefill, one warm-up "
+            "step that compiles, at least one timed step)"
+        )
+    if not isinstance(prompt_len, int) or prompt_len < 1:
+        raise ValueError(f"prompt_len={prompt_len!r}: expected an int >= 1")
+    if not 0.0 < hbm_fraction <= 1.0:
+        raise ValueError(f"hbm_fraction={hbm_fraction!r}: expected a fraction in (0, 1]")
     model, tokenizer = default_model()
     mc = model.config
+    if prompt_len + new_tokens > mc.max_seq_len:
+        raise ValueError(
+            f"prompt_len + new_tokens = {prompt_len} + {new_tokens} exceeds the default model's "
+            f"context of {mc.max_seq_len} tokens"
+        )
     _, params = nnx.split(model)
     prompt = encode_prompt(model, tokenizer, prompt_len)[None]
     runs = [("all-hbm", 1.0, "static")] + [(p, hbm_fraction, p) for p in policies]
-    chunk = 16
+    chunk = min(16, (new_tokens - 1) // 2)  # the first chunk compiles; the rest is timed
     results, tokens = {}, {}
     bar = tqdm(
         total=len(runs) * (new_tokens - 1),

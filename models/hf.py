@@ -64,14 +64,29 @@ def _rope(cfg: dict, path: Path) -> tuple[float, RopeScaling | None]:
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
+
+    def need(key):
+        if params.get(key) is None:
+            raise ValueError(f"{path}: rope type {kind!r} needs {key!r} in its rope parameters")
+        return params[key]
+
     if kind == "linear":
-        return theta, RopeScaling(factor=float(params["factor"]), rope_type="linear")
+        return theta, RopeScaling(factor=float(need("factor")), rope_type="linear")
     if kind == "llama3":
+        # as transformers: without original_max_position_embeddings, max_position_embeddings
+        orig = params.get("original_max_position_embeddings")
+        if orig is None:
+            orig = cfg.get("max_position_embeddings")
+        if orig is None:
+            raise ValueError(
+                f"{path}: rope type 'llama3' needs 'original_max_position_embeddings' (or the "
+                "config's 'max_position_embeddings')"
+            )
         return theta, RopeScaling(
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            factor=float(need("factor")),
+            low_freq_factor=float(need("low_freq_factor")),
+            high_freq_factor=float(need("high_freq_factor")),
+            original_max_position_embeddings=int(orig),
         )
     raise ValueError(
         f"{path}: unsupported rope type {kind!r}: expected 'default', 'linear' or 'llama3'"

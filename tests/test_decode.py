@@ -489,3 +489,14 @@ def test_pallas_decode_matches_xla_on_gpu_with_pinned_host():
     np.testing.assert_array_equal(
         _pallas_run("pallas", "pinned_host"), _pallas_run("xla", "pinned_host")
     )
+
+
+def test_error_sliding_window_shorter_than_the_cache():
+    """A sliding-window model (Mistral) decodes wrong tokens through a cache that outgrows
+    its window: refused before anything is compiled."""
+    from models import tiny_model
+
+    model = tiny_model(0, sliding_window=16)
+    with pytest.raises(ValueError, match=r"sliding window of 16 tokens .* use max_len <= 16"):
+        Decoder(model, _cfg(model, hbm=1.0, max_len=40, block_size=8))
+    Decoder(model, _cfg(model, hbm=1.0, max_len=16, block_size=8))  # inside the window: fine

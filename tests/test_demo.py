@@ -97,3 +97,18 @@ def test_generate_rejects_too_long_a_request(capsys):
     rc = cli.main(["generate", "--prompt", "x", "--max-new-tokens", "100000"])
     assert rc == 2
     assert "exceeds the model's max_seq_len" in capsys.readouterr().err
+
+
+def test_demo_short_runs_and_bad_lengths(capsys):
+    """A few new tokens still time at least one step (it was a ZeroDivisionError at <= 17);
+    too few, or a prompt past the model's context, is a clear error before any work."""
+    rc = cli.main(
+        ["demo", "--json", "--prompt-len", "64", "--new-tokens", "5", "--policies", "static"]
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and report["lossless"] is True
+    assert all(r["wall_tokens_per_s"] > 0 for r in report["policies"].values())
+    assert cli.main(["demo", "--new-tokens", "2"]) == 2
+    assert "new_tokens=2: expected >= 3" in capsys.readouterr().err
+    assert cli.main(["demo", "--prompt-len", "100000", "--new-tokens", "8"]) == 2
+    assert "exceeds the default model's context" in capsys.readouterr().err

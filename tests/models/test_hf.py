@@ -247,3 +247,24 @@ def test_default_model_falls_back_or_loads():
         assert tok is not None and model.config.max_seq_len >= 2048
     else:
         assert tok is None and model.config == tiny_model().config
+
+
+def test_llama3_rope_without_original_context_uses_max_position_embeddings(tmp_path):
+    """As transformers: a llama3 rope_scaling without original_max_position_embeddings falls
+    back to the config's max_position_embeddings (it was a bare KeyError)."""
+    folder = tmp_path / "m"
+    shutil.copytree(FIXTURES / "llama31", folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_parameters"].pop("original_max_position_embeddings")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    c = load_config(folder)
+    assert c.rope_scaling.original_max_position_embeddings == cfg["max_position_embeddings"]
+    cfg.pop("max_position_embeddings")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"'llama3' needs 'original_max_position_embeddings'"):
+        load_config(folder)
+    cfg["rope_parameters"].pop("low_freq_factor")
+    cfg["max_position_embeddings"] = 128
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"rope type 'llama3' needs 'low_freq_factor'"):
+        load_config(folder)
