@@ -36,7 +36,7 @@ test-slow: $(STAMP)
 
 # Compile the decode loop for an H200 on this (GPU-less) machine and check its structure: no host
 # syncs, no per-block loops, bulk host reads (tests/test_gpu_compile.py on a small shape, then
-# bench/gpu_ops.py --must-hold --check on the 32-layer Llama-3.1-8B shape: about 25 min).
+# bench/gpu_ops.py --must-hold --check on the 32-layer Llama-3.1-8B shape: about 2.5 min).
 # Needs the CUDA plugin (the gpu-compile extra, installed here if missing) and /usr/local/cuda.
 GPU_COMPILE_CHECK := --must-hold --check
 test-gpu-compile: $(STAMP)

@@ -302,7 +302,7 @@ def main(argv=None) -> int:
         action="store_true",
         help="issue 18's must-hold set on the full 32-layer shape, batch 1 (overrides the case "
         "options): the decode step at 32k sparse under every policy, at 8k / 32k / 128k for "
-        "static sparse and exact, migrate and compact at 8k / 32k / 128k (about 25 min here)",
+        "static sparse and exact, migrate and compact at 8k / 32k / 128k (about 2.5 min here)",
     )
     ap.add_argument("--json", action="store_true", help='print {"cases": [...]} as JSON')
     ap.add_argument("--check", action="store_true", help="exit 1 if a must-hold check fails")
