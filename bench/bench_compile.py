@@ -30,7 +30,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from _progress import tqdm  # tqdm, or a stand-in where it is missing
 from flax import nnx
 
@@ -185,5 +184,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=3)
     raise SystemExit(main())

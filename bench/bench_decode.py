@@ -30,6 +30,7 @@ two-tier bound (`bench_decode_bound.bounds`). Exact-mode tokens are compared wit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -228,7 +229,7 @@ def run_case(args, model, profile, frac, placement, context, batch, policy_kwarg
     done = int(state.step) - args.warmup
     step_s = dt / max(done, 1)
     plan_s = dec.plan_seconds(params, state)
-    s = summarize(state, plan_seconds=plan_s, step_seconds=step_s)
+    s = summarize(state)
     m = jax.device_get(state.metrics)
     sl = slice(args.warmup, args.warmup + done)
     return dict(
@@ -276,9 +277,9 @@ def main(argv=None) -> int:
             f"measured: B_hbm {measured.hbm_bandwidth / 1e9:.1f} GB/s, B_link "
             f"{measured.link_bandwidth / 1e9:.1f} GB/s ({time.perf_counter() - t0:.1f} s)"
         )
-    profile = measured if args.profile == "measured" and measured else args.profile
-    if args.profile == "measured" and not measured:
-        profile = HardwareProfile.measure()
+    profile = args.profile
+    if profile == "measured":
+        profile = measured or HardwareProfile.measure()
     prof_name = profile if isinstance(profile, str) else profile.name
     out = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -286,7 +287,7 @@ def main(argv=None) -> int:
         "jax": jax.__version__,
         "gpu_figure": gpu,
         "args": {k: v for k, v in vars(args).items()},
-        "model": dataclass_dict(mc),
+        "model": dataclasses.asdict(mc),
         "weight_bytes_per_step": w_step,
         "bandwidth": None
         if measured is None
@@ -405,12 +406,6 @@ def main(argv=None) -> int:
     )
     dump()
     return 0 if ok in (True, None) else 1
-
-
-def dataclass_dict(x) -> dict:
-    import dataclasses
-
-    return {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
 
 
 if __name__ == "__main__":
