@@ -71,11 +71,39 @@ def staging_blocks(placement: PlacementConfig, max_blocks: int) -> int:
     return min(max_blocks, max(k, placement.sink_blocks + placement.recent_blocks))
 
 
-def select_blocks(q, cache: TieredKVCache, layer: int, lengths, placement: PlacementConfig):
+def window_starts(lengths, window):
+    """[batch] int32 first token a sliding window of `window` tokens attends (HF's rule: the
+    query at position p attends keys k with p - k < window), or None without a window.
+
+    Args:
+      lengths: [batch] tokens including the current one (the query is at lengths - 1).
+      window: None, or an int / traced int32 scalar, <= 0 meaning no window (a layer with
+        full attention in a model whose other layers slide).
+    """
+    if window is None:
+        return None
+    window = jnp.asarray(window, jnp.int32)
+    return jnp.where(window > 0, jnp.maximum(lengths - window, 0), 0).astype(jnp.int32)
+
+
+def live_blocks(lengths, block_size: int, max_blocks: int, starts=None):
+    """[batch, max_blocks] bool: the written blocks holding a token in [starts, lengths)."""
+    j = jnp.arange(max_blocks)[None]
+    live = j * block_size < lengths[:, None]
+    if starts is not None:
+        live &= (j + 1) * block_size > starts[:, None]
+    return live
+
+
+def select_blocks(
+    q, cache: TieredKVCache, layer: int, lengths, placement: PlacementConfig, *, window=None
+):
     """Logical blocks to read this step.
 
     Args:
       q: [batch, q_heads, head_dim]; lengths: [batch] tokens including the current one.
+      window: the layer's sliding window (`window_starts`): only blocks holding a token
+        inside it are selected, in exact and sparse mode (sink blocks included).
     Returns:
       [batch, max_blocks] bool.
     """
@@ -83,7 +111,7 @@ def select_blocks(q, cache: TieredKVCache, layer: int, lengths, placement: Place
     M = c.max_blocks
     j = jnp.arange(M)
     n_written = -(-lengths // c.block_size)  # [B]
-    written = j[None] < n_written[:, None]
+    written = live_blocks(lengths, c.block_size, M, window_starts(lengths, window))
     if placement.attention == "exact":
         return written
     score = quest_scores(q, cache.kmin[layer], cache.kmax[layer])
@@ -92,10 +120,11 @@ def select_blocks(q, cache: TieredKVCache, layer: int, lengths, placement: Place
     )
     score = jnp.where(forced, jnp.inf, score)
     score = jnp.where(written, score, -jnp.inf)
+    n_live = jnp.sum(written, axis=1)  # n_written but for a window's dead blocks
     if isinstance(placement.topk, int):
-        k = jnp.minimum(placement.topk, n_written)
+        k = jnp.minimum(placement.topk, n_live)
     else:
-        k = jnp.ceil(placement.topk * n_written).astype(jnp.int32)
+        k = jnp.ceil(placement.topk * n_live).astype(jnp.int32)
     k = jnp.maximum(k, jnp.sum(forced & written, axis=1))
     rank = jnp.argsort(jnp.argsort(-score, axis=1, stable=True), axis=1)
     return written & (rank < k[:, None])
@@ -153,12 +182,13 @@ def compact_ids(mask, width: int):
     return jnp.full((B, width), -1, jnp.int32).at[jnp.arange(B)[:, None], at].set(cols, mode="drop")
 
 
-def attend_compact(q, k, v, ids, lengths, scale, max_blocks: int):
+def attend_compact(q, k, v, ids, lengths, scale, max_blocks: int, starts=None):
     """Attention over blocks laid out per sequence (the XLA path, no gather of unread blocks).
 
     Args:
       q: [batch, q_heads, head_dim]; k, v: [batch, K, block_size, kv_heads, head_dim];
-      ids: [batch, K] int32 logical block of each entry (-1: unused); lengths: [batch] tokens.
+      ids: [batch, K] int32 logical block of each entry (-1: unused); lengths: [batch] tokens;
+      starts: [batch] first attended token (a sliding window), None for 0.
     Returns:
       out [batch, q_heads, head_dim] f32, lse [batch, q_heads] (-inf where nothing is
       attended) and block_lse [batch, q_heads, max_blocks] (-inf for blocks not attended).
@@ -167,6 +197,8 @@ def attend_compact(q, k, v, ids, lengths, scale, max_blocks: int):
     _, K, bs, KV, _ = k.shape
     pos = ids[:, :, None] * bs + jnp.arange(bs)[None, None, :]  # [B, K, bs]
     valid = (ids[:, :, None] >= 0) & (pos < lengths[:, None, None])
+    if starts is not None:
+        valid &= pos >= starts[:, None, None]
     qg = q.reshape(B, KV, H // KV, D).astype(jnp.float32)
     s = jnp.einsum("bhgd,bkthd->bhgkt", qg, k.astype(jnp.float32)) * scale
     s = jnp.where(valid[:, None, None], s, -jnp.inf)
@@ -211,15 +243,24 @@ def resolve_impl(impl: str, config) -> str:
     return impl
 
 
-def _attend(impl, q, k_pool, v_pool, table, mask, lengths, scale, layer=None):
+def _attend(impl, q, k_pool, v_pool, table, mask, lengths, scale, layer=None, starts=None):
     """(out, lse, block_lse or None) of one tier's part."""
     if impl == "pallas":
         out, lse = blocked_attention(
-            q, k_pool, v_pool, table, mask, lengths, scale=scale, layer=layer
+            q, k_pool, v_pool, table, mask, lengths, scale=scale, layer=layer, starts=starts
         )
         return out, lse, None
     return blocked_attention_reference(
-        q, k_pool, v_pool, table, mask, lengths, scale=scale, layer=layer, return_block_lse=True
+        q,
+        k_pool,
+        v_pool,
+        table,
+        mask,
+        lengths,
+        scale=scale,
+        layer=layer,
+        starts=starts,
+        return_block_lse=True,
     )
 
 
@@ -234,6 +275,7 @@ def tiered_attention(
     impl: str = "auto",
     selected=None,
     return_staging: bool = False,
+    window=None,
 ):
     """Decode attention of one layer over both tiers.
 
@@ -251,6 +293,9 @@ def tiered_attention(
       return_staging: also return what the host read fetched (`fetch_host_blocks`: staging
         K, V and the staging slot of each selected host block), e.g. to promote fetched
         blocks to HBM without reading them again.
+      window: the layer's sliding window in tokens (Mistral; `window_starts`): None or <= 0
+        for full attention; may be traced (a per-layer value under the layer scan). Only the
+        blocks holding a token inside it are read; the boundary block is masked per token.
     Returns:
       out [batch, q_heads, head_dim] f32 and AttentionStats (and the staging triple).
     """
@@ -262,8 +307,9 @@ def tiered_attention(
             f"kv_heads={c.kv_heads}, {c.head_dim})"
         )
     impl = resolve_impl(impl, c)
+    starts = window_starts(lengths, window)
     if selected is None:
-        selected = select_blocks(q, cache, layer, lengths, placement)
+        selected = select_blocks(q, cache, layer, lengths, placement, window=window)
     tier = cache.tier[layer]
     read_hbm = selected & (tier == TIER_HBM)
     read_host = selected & (tier == TIER_HOST)
@@ -273,7 +319,16 @@ def tiered_attention(
     with jax.named_scope("hbm_part"):
         if impl == "pallas":
             out_h, lse_h, blse_h = _attend(
-                impl, q, cache.hbm_k, cache.hbm_v, slot, read_hbm, lengths, scale, layer=layer
+                impl,
+                q,
+                cache.hbm_k,
+                cache.hbm_v,
+                slot,
+                read_hbm,
+                lengths,
+                scale,
+                layer=layer,
+                starts=starts,
             )
         else:  # gather only the blocks this part reads (at most min(M, HBM slots) each)
             ids_h = compact_ids(read_hbm, max(1, min(c.max_blocks, c.hbm_blocks)))
@@ -281,16 +336,22 @@ def tiered_attention(
             at = jnp.clip(at, 0, c.hbm_blocks - 1)
             lay = jnp.clip(jnp.asarray(layer, jnp.int32), 0, c.num_layers - 1)
             kh, vh = cache.hbm_k[lay, at], cache.hbm_v[lay, at]
-            out_h, lse_h, blse_h = attend_compact(q, kh, vh, ids_h, lengths, scale_f, c.max_blocks)
+            out_h, lse_h, blse_h = attend_compact(
+                q, kh, vh, ids_h, lengths, scale_f, c.max_blocks, starts
+            )
     with jax.named_scope("host_part"):
         sk, sv, stable, ids_x = fetch_host_blocks(cache, layer, read_host, n_stage)
         if impl == "pallas":
-            out_d, lse_d, blse_d = _attend(impl, q, sk, sv, stable, read_host, lengths, scale)
+            out_d, lse_d, blse_d = _attend(
+                impl, q, sk, sv, stable, read_host, lengths, scale, starts=starts
+            )
         else:  # the staging pool is already laid out per sequence: read in place
             K = ids_x.shape[1]
             kx = sk.reshape(c.batch, K, *sk.shape[1:])
             vx = sv.reshape(c.batch, K, *sv.shape[1:])
-            out_d, lse_d, blse_d = attend_compact(q, kx, vx, ids_x, lengths, scale_f, c.max_blocks)
+            out_d, lse_d, blse_d = attend_compact(
+                q, kx, vx, ids_x, lengths, scale_f, c.max_blocks, starts
+            )
     out, lse = merge_partials(jnp.stack([out_h, out_d]), jnp.stack([lse_h, lse_d]))
     if blse_h is None:
         mass = jnp.zeros(selected.shape, jnp.float32)
@@ -302,11 +363,12 @@ def tiered_attention(
     return (out, stats, (sk, sv, stable)) if return_staging else (out, stats)
 
 
-def dense_attention_reference(q, k, v, lengths, *, scale=None):
+def dense_attention_reference(q, k, v, lengths, *, scale=None, window=None):
     """Exact attention over dense K/V (the ground truth for tests).
 
     Args:
       q: [batch, q_heads, head_dim]; k, v: [batch, T, kv_heads, head_dim]; lengths: [batch].
+      window: a sliding window (`window_starts`), None for none.
     Returns:
       [batch, q_heads, head_dim] f32.
     """
@@ -315,7 +377,11 @@ def dense_attention_reference(q, k, v, lengths, *, scale=None):
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     qg = q.astype(jnp.float32).reshape(B, KV, H // KV, D)
     logits = jnp.einsum("bkgd,btkd->bkgt", qg, k.astype(jnp.float32)) * scale
-    valid = jnp.arange(k.shape[1])[None] < lengths[:, None]
+    t = jnp.arange(k.shape[1])[None]
+    valid = t < lengths[:, None]
+    starts = window_starts(lengths, window)
+    if starts is not None:
+        valid &= t >= starts[:, None]
     logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
     p = jax.nn.softmax(logits, axis=-1)
     return jnp.einsum("bkgt,btkd->bkgd", p, v.astype(jnp.float32)).reshape(B, H, D)

@@ -45,7 +45,7 @@ from flax import nnx
 from jaxkv import cache as kvc
 from jaxkv import importance as imp
 from jaxkv._pytree import pytree_dataclass, replace
-from jaxkv.attention import resolve_impl, tiered_attention
+from jaxkv.attention import resolve_impl, tiered_attention, window_starts
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.cost import layer_step_time
 from jaxkv.policies import (
@@ -260,14 +260,6 @@ class Decoder:
             )
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        window = getattr(mc, "sliding_window", None)
-        if window is not None and cache_config.max_len > window:
-            raise ValueError(
-                f"the model attends a sliding window of {window} tokens (e.g. Mistral) and the "
-                f"cache holds up to max_len={cache_config.max_len}: cached decoding attends "
-                "every cached token, so it would differ from the model past the window; use "
-                f"max_len <= {window}"
-            )
         graphdef, params = nnx.split(model)
         profile = HardwareProfile.preset(profile) if isinstance(profile, str) else profile
         values = dict(
@@ -569,11 +561,21 @@ class Decoder:
         pstate = state.placement.policy
         dt = c.jnp_dtype
 
+        windows = self._layer_windows()
+
         def attend(layer, q, k_new, v_new, carry):
             cache, reads, fol = carry
             cache = kvc.write_token(cache, layer, k_new.astype(dt), v_new.astype(dt), active)
             out, st, staged = tiered_attention(
-                q, cache, layer, attn_len, p, scale=scale, impl=self.impl, return_staging=True
+                q,
+                cache,
+                layer,
+                attn_len,
+                p,
+                scale=scale,
+                impl=self.impl,
+                return_staging=True,
+                window=None if windows is None else windows[layer],
             )
             reads = tuple(
                 r.at[layer].set(x)
@@ -673,13 +675,35 @@ class Decoder:
         m = state.metrics
         return replace(state, metrics=replace(m, latency=m.latency.at[step].set(lat)))
 
+    def _layer_windows(self):
+        """[layers] int32 sliding window of each layer (0: full attention), None without."""
+        if getattr(self.model_config, "sliding_window", None) is None:
+            return None
+        return jnp.asarray(self.model_config.layer_windows(), jnp.int32)
+
+    def _placeable(self, cache):
+        """[layers, N] bool: the sealed blocks a later step can read. A block wholly before
+        its layer's sliding window at the next step is never read again (the window only
+        moves forward), so no plan targets it and it leaves HBM first."""
+        c = self.cache_config
+        L, N = c.num_layers, c.batch * c.max_blocks
+        sealed = cache.sealed.reshape(L, N)
+        windows = self._layer_windows()
+        if windows is None:
+            return sealed
+        # the next step's query is at position `lengths`: it attends from lengths + 1 - w
+        starts = window_starts(cache.lengths[None] + 1, windows[:, None])  # [L, B]
+        ends = (jnp.arange(c.max_blocks, dtype=jnp.int32) + 1) * c.block_size
+        live = ends[None, None, :] > starts[:, :, None]  # [L, B, M]
+        return sealed & live.reshape(L, N)
+
     def _observation(self, cache, stats: imp.Stats, step) -> Observation:
         """What the policy sees at a plan: every layer's blocks."""
         c = self.cache_config
         L, N = c.num_layers, c.batch * c.max_blocks
         return Observation(
             in_hbm=cache.in_hbm.reshape(L, N),
-            valid=cache.sealed.reshape(L, N),
+            valid=self._placeable(cache),
             last_read=stats.last_read,
             read_ema=stats.read_ema,
             mass_ema=stats.mass_ema,

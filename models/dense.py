@@ -54,8 +54,9 @@ def make_dense_attend(config: LlamaConfig):
     """``attend(i, q, k_new, v_new, kv) -> (out, kv)`` over a :class:`DenseKV` carry.
 
     Layer ``i`` writes the new token at index ``kv.lengths`` and attends over indices
-    ``0..lengths`` inclusive; the last layer advances ``lengths`` by one. Positions are taken as
-    equal to ``lengths`` (the caller passes ``positions=kv.lengths`` to decode_step).
+    ``0..lengths`` inclusive (the last ``config.layer_windows()[i]`` of them in a sliding-window
+    layer); the last layer advances ``lengths`` by one. Positions are taken as equal to
+    ``lengths`` (the caller passes ``positions=kv.lengths`` to decode_step).
     """
     g = config.group_size
     scale = 1.0 / math.sqrt(config.head_dim)
@@ -70,7 +71,12 @@ def make_dense_attend(config: LlamaConfig):
         v = kv.v.at[i, b, pos].set(v_new.astype(jnp.float32))
         qg = q.astype(jnp.float32).reshape(q.shape[0], config.num_kv_heads, g, config.head_dim)
         s = jnp.einsum("bkgd,bskd->bkgs", qg, k[i], precision=hi) * scale
-        valid = jnp.arange(k.shape[2])[None, None, None, :] <= pos[:, None, None, None]
+        t = jnp.arange(k.shape[2])[None, None, None, :]
+        p_ = pos[:, None, None, None]
+        valid = t <= p_
+        if config.sliding_window is not None:
+            w = jnp.asarray(config.layer_windows(), jnp.int32)[i]  # i: the traced layer index
+            valid &= (w <= 0) | (p_ - t < w)
         p = jax.nn.softmax(jnp.where(valid, s, -jnp.inf), axis=-1)
         out = jnp.einsum("bkgs,bskd->bkgd", p, v[i], precision=hi).reshape(q.shape)
         lengths = jnp.where(i == last, pos + 1, pos)  # i: the traced layer index

@@ -34,9 +34,16 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise ValueError(f"{path}: file not found (expected a Hugging Face checkpoint folder)")
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{path}: holds a JSON {type(data).__name__}, expected a JSON object ({{...}})"
+        )
+    return data
 
 
 def _architecture(cfg: dict, path: Path) -> str:
@@ -116,11 +123,7 @@ def config_from_hf(cfg: dict, *, dtype: str = "float32", path: str = "config.jso
     heads = int(cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     theta, scaling = _rope(cfg, p)
-    sliding = None
-    if arch == "mistral":
-        sliding = cfg.get("sliding_window")
-    elif arch == "qwen2" and cfg.get("use_sliding_window"):
-        raise ValueError(f"{p}: Qwen2 use_sliding_window=true is not supported: expected false")
+    sliding, sliding_layers = _sliding_window(cfg, arch, p)
     attention_bias = bool(cfg.get("attention_bias", False))
     return LlamaConfig(
         vocab_size=int(cfg["vocab_size"]),
@@ -139,8 +142,38 @@ def config_from_hf(cfg: dict, *, dtype: str = "float32", path: str = "config.jso
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
         dtype=dtype,
-        sliding_window=int(sliding) if sliding else None,
+        sliding_window=sliding,
+        sliding_layers=sliding_layers,
     )
+
+
+def _sliding_window(cfg: dict, arch: str, p: str) -> tuple[int | None, tuple[int, ...] | None]:
+    """(sliding_window, sliding_layers) as transformers reads them: Mistral slides in every
+    layer; Qwen2 only with use_sliding_window, in the layers its layer_types mark
+    "sliding_attention" (by default those from max_window_layers on)."""
+    if arch == "mistral":
+        w = cfg.get("sliding_window")
+        layers = None
+    elif arch == "qwen2" and cfg.get("use_sliding_window"):
+        w = cfg.get("sliding_window", 4096)
+        n = int(cfg["num_hidden_layers"])
+        types = cfg.get("layer_types")
+        if types is None:
+            first = int(cfg.get("max_window_layers", 28))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+        allowed = ("sliding_attention", "full_attention")
+        if len(types) != n or any(t not in allowed for t in types):
+            raise ValueError(
+                f"{p}: layer_types={types!r}: expected {n} entries, each one of {allowed}"
+            )
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    else:
+        return None, None
+    if w is None or layers == ():
+        return None, None
+    if not isinstance(w, int) or isinstance(w, bool) or w <= 0:
+        raise ValueError(f"{p}: sliding_window={w!r}: expected null or an int > 0")
+    return w, layers
 
 
 def load_config(path: str | os.PathLike, *, dtype: str = "float32") -> LlamaConfig:

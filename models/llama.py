@@ -69,10 +69,13 @@ class RopeScaling:
 class LlamaConfig:
     """Static, hashable description of a Llama-family decoder.
 
-    ``sliding_window`` (Mistral) is honoured by ``__call__`` / ``prefill`` only; ``decode_step``
-    attends through the caller's ``attend`` and so is exact only while the sequence fits in the
-    window. ``init_std`` is the random-init scale (0.02 as in HF; the tiny test model uses more);
-    loaded checkpoints overwrite every parameter.
+    ``sliding_window`` (Mistral, Qwen2): the query at position p attends the keys at
+    positions k with p - k < sliding_window, in the layers ``sliding_layers`` (None: every
+    layer; Qwen2 slides only from ``max_window_layers`` on). ``__call__`` / ``prefill`` apply
+    it; ``decode_step`` delegates attention to ``attend``, which must apply
+    ``layer_windows()`` (the dense reference and jaxkv's decoder do). ``init_std`` is the
+    random-init scale (0.02 as in HF; the tiny test model uses more); loaded checkpoints
+    overwrite every parameter.
     """
 
     vocab_size: int
@@ -92,6 +95,7 @@ class LlamaConfig:
     max_seq_len: int = 2048
     dtype: str = "float32"
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] | None = None
     init_std: float = 0.02
 
     def __post_init__(self):
@@ -117,10 +121,24 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.head_dim={self.head_dim}: expected an even number")
         if self.dtype not in _DTYPES:
             raise ValueError(f"LlamaConfig.dtype={self.dtype!r}: expected one of {_DTYPES}")
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(
-                f"LlamaConfig.sliding_window={self.sliding_window}: expected None or > 0"
-            )
+        w = self.sliding_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w <= 0):
+            raise ValueError(f"LlamaConfig.sliding_window={w!r}: expected None or an int > 0")
+        if self.sliding_layers is not None:
+            layers = self.sliding_layers
+            ok = all(isinstance(i, int) and 0 <= i < self.num_layers for i in layers)
+            if w is None or not ok or len(set(layers)) != len(layers):
+                raise ValueError(
+                    f"LlamaConfig.sliding_layers={layers!r}: expected None or distinct layer "
+                    f"indices in [0, {self.num_layers}) with a sliding_window (got {w})"
+                )
+            object.__setattr__(self, "sliding_layers", tuple(sorted(layers)))
+
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window in tokens, 0 for full attention."""
+        w = self.sliding_window or 0
+        slides = self.sliding_layers
+        return tuple(w if slides is None or i in slides else 0 for i in range(self.num_layers))
 
     @property
     def group_size(self) -> int:
@@ -358,14 +376,16 @@ class Llama(nnx.Module):
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         qi = jnp.arange(t)[:, None]
         ki = jnp.arange(t)[None, :]
-        mask = ki <= qi  # [T, T]
-        if c.sliding_window is not None:
-            mask &= qi - ki < c.sliding_window
+        causal = ki <= qi  # [T, T]
+        windows = jnp.asarray(c.layer_windows(), jnp.int32)  # [L], scanned: 0 = full
         h = self.embed[...][tokens]  # [B, T, dim]
         scale = 1.0 / math.sqrt(c.head_dim)
         prec = _precision(c.jnp_dtype)
 
-        def body(block, i, h, _):
+        def body(block, i, h, window):
+            mask = causal
+            if c.sliding_window is not None:
+                mask = causal & ((window <= 0) | (qi - ki < window))
             with jax.named_scope("attention"):
                 q, k, v = self._qkv(block, block.attn_norm(h), positions)
                 qg = q.reshape(b, t, c.num_kv_heads, c.group_size, c.head_dim)
@@ -381,7 +401,7 @@ class Llama(nnx.Module):
                 h = h + block.mlp(block.mlp_norm(h))
             return h, ((k, v) if return_kv else None)
 
-        h, kv = self._scan_layers(body, h)
+        h, kv = self._scan_layers(body, h, windows)
         logits = self._logits(h)
         if not return_kv:
             return logits

@@ -60,7 +60,7 @@ from pallas_kernels.paging import (
     runs_bf16x3,
     split_sizes,
     tile_blocks,
-    token_counts,
+    token_ranges,
 )
 
 _ROWS = ROWS
@@ -102,7 +102,7 @@ def blocked_attention_kernel(
     q_ref,  # [batch, kv_heads, parts, 64, head_dim]  GQA group rows, zero padded to 64
     k_ref,  # [(layers,) slots, block_size, kv_heads, head_dim]
     v_ref,  # [(layers,) slots, block_size, kv_heads, head_dim]
-    meta_ref,  # [batch, splits, meta_len] int32: n, layer, 0, 0, slots[per_split], ntoks, 0..
+    meta_ref,  # [batch, splits, meta_len] int32: n, layer, 0, 0, slots, ends, firsts, 0..
     out_ref,  # [splits, batch, kv_heads, 64, head_dim] f32 partial outputs
     lse_ref,  # [splits, batch, kv_heads, 64] f32 partial log-sum-exp
     q_smem,  # [parts, 64, head_dim] q (parts=1), or bf16 (hi, lo) of fp32 q (parts=2)
@@ -212,11 +212,12 @@ def blocked_attention_kernel(
         col = plgpu.broadcasted_iota(jnp.int32, (_ROWS, tile), 1, layout=plgpu.Layout.WGMMA)
         valid = None
         for j in range(blocks_per_step):
-            # ntok is 0 for list entries past the end.
-            ntok = meta_smem[4 + blocks_per_split + i * blocks_per_step + j]
-            in_block = col < j * block_size + ntok
-            if j:
-                in_block = in_block & (col >= j * block_size)
+            # The block's valid tokens are [first, end) (a sliding window's boundary block
+            # starts past 0); both are 0 for list entries past the end.
+            e = i * blocks_per_step + j
+            end = meta_smem[4 + blocks_per_split + e]
+            first = meta_smem[4 + 2 * blocks_per_split + e]
+            in_block = (col >= j * block_size + first) & (col < j * block_size + end)
             valid = in_block if valid is None else valid | in_block
         s = jnp.where(valid, s, -jnp.inf)
         # A tile's first block is listed and holds >= 1 valid token, so m_new is finite and
@@ -286,6 +287,7 @@ def _blocked_attention(
     block_mask,
     lengths,
     layer,
+    starts=None,
     *,
     scale,
     softcap,
@@ -318,6 +320,7 @@ def _blocked_attention(
         num_slots=num_slots,
         num_splits=num_splits,
         per_split=per_split,
+        starts=starts,
     )
     dtype = q.dtype
     split = runs_bf16x3(dtype)
@@ -433,6 +436,7 @@ def blocked_attention(
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
     layer=None,
+    starts=None,
 ):
     """Decode attention of one query token per row over a paged KV pool (Mosaic GPU kernel).
 
@@ -448,7 +452,7 @@ def blocked_attention(
         block_mask is False are never read (they may be out of range).
       block_mask: [batch, max_blocks] bool, the logical blocks to attend.
       lengths: [batch] int32 tokens per row including the current one; token t of logical
-        block j is valid iff j * block_size + t < lengths[b].
+        block j is valid iff starts[b] <= j * block_size + t < lengths[b].
       scale: logit scale, default 1 / sqrt(head_dim).
       softcap: if set, logits = softcap * tanh(logits / softcap) (after scaling).
       block_sizes: kernel tuning (`BlockSizes`); defaults if None.
@@ -456,12 +460,17 @@ def blocked_attention(
         `plgpu.InterpretGPUParams` interprets with those settings (e.g. race detection).
       layer: int32 scalar (may be traced, e.g. a scan index) selecting the layer of a
         [layers, ...] pool; None for a one-layer pool.
+      starts: [batch] int32 first attended token per row (a sliding window: lengths - window,
+        clipped at 0), or None for 0. Blocks wholly before it are never loaded; the boundary
+        block is masked token by token.
 
     Returns:
       out [batch, q_heads, head_dim] float32 and lse [batch, q_heads] float32 (natural log);
       rows with nothing attended give out = 0 and lse = -inf.
     """
-    check_inputs(q, k_pool, v_pool, block_table, block_mask, lengths, layer, kernel=True)
+    check_inputs(
+        q, k_pool, v_pool, block_table, block_mask, lengths, layer, kernel=True, starts=starts
+    )
     head_dim = q.shape[-1]
     block_sizes = block_sizes or BlockSizes()
     # Validates the tile.
@@ -476,6 +485,7 @@ def blocked_attention(
         block_mask,
         lengths,
         None if layer is None else jnp.asarray(layer, jnp.int32),
+        starts,
         scale=float(1.0 / math.sqrt(head_dim) if scale is None else scale),
         softcap=None if softcap is None else float(softcap),
         block_sizes=block_sizes,
@@ -492,6 +502,7 @@ def _blocked_attention_reference(
     block_mask,
     lengths,
     layer,
+    starts=None,
     *,
     scale,
     softcap,
@@ -500,8 +511,9 @@ def _blocked_attention_reference(
     batch, q_heads, head_dim = q.shape
     num_slots, block_size, kv_heads, _ = k_pool.shape[-4:]
     max_blocks = block_table.shape[1]
-    ntok = token_counts(block_mask, lengths, block_size)  # [batch, max_blocks]
-    valid = jnp.arange(block_size)[None, None, :] < ntok[:, :, None]  # [batch, blocks, bs]
+    first, ntok = token_ranges(block_mask, lengths, block_size, starts)  # [batch, max_blocks]
+    t = jnp.arange(block_size)[None, None, :]
+    valid = (t >= first[:, :, None]) & (t < ntok[:, :, None])  # [batch, blocks, bs]
     valid = valid.reshape(batch, max_blocks * block_size)
     slots = jnp.where(ntok > 0, jnp.clip(block_table, 0, num_slots - 1), 0)
     if k_pool.ndim == 5:  # one gather of the needed blocks, not a copy of the layer
@@ -545,6 +557,7 @@ def blocked_attention_reference(
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
     layer=None,
+    starts=None,
     return_block_lse: bool = False,
 ):
     """Pure-jnp `blocked_attention` (gather + masked softmax, fp32); any block size, fp32 too.
@@ -555,7 +568,9 @@ def blocked_attention_reference(
     nothing is attended), so exp(block_lse - lse) is the block's share of the attention.
     """
     del block_sizes, interpret
-    check_inputs(q, k_pool, v_pool, block_table, block_mask, lengths, layer, kernel=False)
+    check_inputs(
+        q, k_pool, v_pool, block_table, block_mask, lengths, layer, kernel=False, starts=starts
+    )
     head_dim = q.shape[-1]
     return _blocked_attention_reference(
         q,
@@ -565,6 +580,7 @@ def blocked_attention_reference(
         block_mask,
         lengths,
         None if layer is None else jnp.asarray(layer, jnp.int32),
+        starts,
         scale=float(1.0 / math.sqrt(head_dim) if scale is None else scale),
         softcap=None if softcap is None else float(softcap),
         return_block_lse=return_block_lse,

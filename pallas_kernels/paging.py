@@ -13,7 +13,9 @@ SMEM_BUDGET = 200 * 1024  # of 227 KiB per block on Hopper, leaving room for bar
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
-def check_inputs(q, k_pool, v_pool, block_table, block_mask, lengths, layer, *, kernel: bool):
+def check_inputs(
+    q, k_pool, v_pool, block_table, block_mask, lengths, layer, *, kernel: bool, starts=None
+):
     """Static validation shared by the kernel and the reference (ValueError naming values)."""
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
@@ -61,6 +63,10 @@ def check_inputs(q, k_pool, v_pool, block_table, block_mask, lengths, layer, *, 
         raise ValueError(
             f"lengths must be int32 [batch={batch}], got {lengths.dtype} {lengths.shape}"
         )
+    if starts is not None and (starts.shape != (batch,) or starts.dtype != jnp.int32):
+        raise ValueError(
+            f"starts must be None or int32 [batch={batch}], got {starts.dtype} {starts.shape}"
+        )
     if kernel:
         if block_size % 16:
             raise ValueError(
@@ -82,20 +88,40 @@ def check_inputs(q, k_pool, v_pool, block_table, block_mask, lengths, layer, *, 
             )
 
 
-def token_counts(block_mask, lengths, block_size: int):
-    """[batch, max_blocks] int32: valid tokens of each attended block (0 if not attended)."""
-    starts = jnp.arange(block_mask.shape[1], dtype=jnp.int32) * block_size
-    ntok = jnp.clip(lengths[:, None] - starts[None, :], 0, block_size)
-    return jnp.where(block_mask, ntok, 0)
+def token_ranges(block_mask, lengths, block_size: int, starts=None):
+    """The valid tokens of each attended block: token t of logical block j of row b is valid
+    iff first[b, j] <= t < end[b, j], i.e. starts[b] <= j * block_size + t < lengths[b]
+    (`starts`: a sliding window's first attended token, None for 0).
+
+    Returns:
+      (first, end) [batch, max_blocks] int32 offsets within the block; both 0 where the block
+      is not attended or holds no valid token (so `end > first` marks the blocks to read).
+    """
+    base = jnp.arange(block_mask.shape[1], dtype=jnp.int32)[None, :] * block_size
+    end = jnp.clip(lengths[:, None] - base, 0, block_size)
+    first = jnp.zeros_like(end) if starts is None else jnp.clip(starts[:, None] - base, 0, end)
+    active = block_mask & (end > first)
+    return jnp.where(active, first, 0), jnp.where(active, end, 0)
 
 
 def plan_blocks(
-    block_table, block_mask, lengths, layer=0, *, block_size, num_slots, num_splits, per_split
+    block_table,
+    block_mask,
+    lengths,
+    layer=0,
+    *,
+    block_size,
+    num_slots,
+    num_splits,
+    per_split,
+    starts=None,
 ):
-    """Compacts each row's attended blocks to the front; returns meta [batch, splits, L]."""
+    """Compacts each row's attended blocks to the front; returns meta [batch, splits, L]:
+    per split a header (n, layer, 0, 0), then per listed block its slot, its end and its first
+    valid token (`token_ranges`)."""
     batch, max_blocks = block_table.shape
-    ntok = token_counts(block_mask, lengths, block_size)
-    active = ntok > 0
+    first, ntok = token_ranges(block_mask, lengths, block_size, starts)
+    active = ntok > first
     count = active.sum(axis=1, dtype=jnp.int32)
     # A stable partition by cumsum + scatter (O(max_blocks), no sort): attended blocks first,
     # in logical order, so the accumulation order is deterministic.
@@ -108,20 +134,24 @@ def plan_blocks(
     slots = jnp.where(active, jnp.clip(block_table, 0, num_slots - 1), 0)
     slots = jnp.zeros_like(slots).at[rows, rank].set(slots, unique_indices=True)
     ntok = jnp.zeros_like(ntok).at[rows, rank].set(ntok, unique_indices=True)
+    first = jnp.zeros_like(first).at[rows, rank].set(first, unique_indices=True)
     pad = num_splits * per_split - max_blocks
-    slots = jnp.pad(slots, ((0, 0), (0, pad))).reshape(batch, num_splits, per_split)
-    ntok = jnp.pad(ntok, ((0, 0), (0, pad))).reshape(batch, num_splits, per_split)
+
+    def split_rows(x):
+        return jnp.pad(x, ((0, 0), (0, pad))).reshape(batch, num_splits, per_split)
+
+    slots, ntok, first = split_rows(slots), split_rows(ntok), split_rows(first)
     starts = jnp.arange(num_splits, dtype=jnp.int32) * per_split
     n_local = jnp.clip(count[:, None] - starts[None, :], 0, per_split)
     header = jnp.zeros((batch, num_splits, 4), jnp.int32).at[:, :, 0].set(n_local)
     header = header.at[:, :, 1].set(jnp.asarray(layer, jnp.int32))
-    meta = jnp.concatenate([header, slots, ntok], axis=2)
+    meta = jnp.concatenate([header, slots, ntok, first], axis=2)
     return jnp.pad(meta, ((0, 0), (0, 0), (0, meta_row_len(per_split) - meta.shape[2])))
 
 
 def meta_row_len(per_split: int) -> int:
     # A TMA copy into a barrier must move a multiple of 128 bytes (one per warpgroup thread).
-    return -(-(4 + 2 * per_split) // 32) * 32
+    return -(-(4 + 3 * per_split) // 32) * 32
 
 
 def runs_bf16x3(dtype) -> bool:

@@ -9,6 +9,7 @@ from jaxkv.attention import (
     dense_attention_reference,
     select_blocks,
     tiered_attention,
+    window_starts,
 )
 from jaxkv.config import PlacementConfig
 
@@ -170,3 +171,79 @@ def test_compact_attention_matches_the_gathering_reference():
         cols = np.flatnonzero(np.asarray(mask[b]))
         assert np.asarray(ids[b, : len(cols)]).tolist() == cols.tolist()
         assert (np.asarray(ids[b, len(cols) :]) == -1).all()
+
+
+@pytest.mark.parametrize("window", [1, 6, 8, 13, 100])
+def test_window_reads_only_blocks_inside_it(window):
+    """A sliding window (Mistral): exact tiered attention equals dense attention over the
+    last `window` tokens, and reads only the blocks holding one of them (block size 4:
+    windows on and off block boundaries, of one token and wider than the sequence)."""
+    cache, dk, dv = random_cache(jax.random.key(11), lengths=(21, 13), hbm_capacity=0.5)
+    q = jax.random.normal(jax.random.key(12), (2, 4, 8))
+    fn = jax.jit(lambda q, c, w: tiered_attention(q, c, 1, c.lengths, PlacementConfig(), window=w))
+    out, stats = fn(q, cache, jnp.int32(window))
+    ref = dense_attention_reference(q, dk[1], dv[1], cache.lengths, window=window)
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-5)
+    read = np.asarray(stats.read_hbm | stats.read_host)
+    for b, n in enumerate((21, 13)):
+        first = max(n - window, 0)
+        assert np.flatnonzero(read[b]).tolist() == list(range(first // 4, -(-n // 4)))
+    if window < 13:  # the window changes the result
+        full = dense_attention_reference(q, dk[1], dv[1], cache.lengths)
+        assert not np.allclose(out, full, atol=1e-3)
+
+
+def test_window_zero_is_full_attention():
+    """window <= 0 marks a layer without a window (Qwen2's first max_window_layers)."""
+    cache, dk, dv = random_cache(jax.random.key(13))
+    q = jax.random.normal(jax.random.key(14), (2, 4, 8))
+    a, _ = tiered_attention(q, cache, 0, cache.lengths, PlacementConfig(), window=0)
+    b, _ = tiered_attention(q, cache, 0, cache.lengths, PlacementConfig())
+    np.testing.assert_array_equal(a, b)
+    assert window_starts(cache.lengths, None) is None
+    assert np.asarray(window_starts(cache.lengths, 5)).tolist() == [16, 8]
+
+
+def test_window_sparse_selects_inside_it():
+    """Sparse mode under a window: sink blocks outside the window are not read, the top-k is
+    taken among the blocks inside it, and the output equals dense attention over the
+    selected tokens of the window."""
+    cache, dk, dv = random_cache(jax.random.key(5), lengths=(40, 21), max_len=64, block_size=4)
+    q = jax.random.normal(jax.random.key(6), (2, 4, 8))
+    p = PlacementConfig(attention="sparse", topk=3, sink_blocks=1, recent_blocks=1)
+    sel = np.asarray(select_blocks(q, cache, 0, cache.lengths, p, window=18))
+    assert sel.sum(1).tolist() == [3, 3]
+    assert not sel[0, :5].any()  # 40 - 18 = 22: block 5 on; the sink lies outside the window
+    assert sel[1, 0]  # 21 - 18 = 3: block 0 holds token 3, the sink is forced
+    assert sel[0, 9] and sel[1, 5]  # the recent block
+    out, stats = tiered_attention(q, cache, 0, cache.lengths, p, window=18)
+    assert (np.asarray(stats.read_hbm | stats.read_host) == sel).all()
+    starts = np.asarray([22, 3])
+    tok = np.repeat(sel, 4, axis=1)[:, : dk.shape[2]]
+    tok &= np.arange(dk.shape[2])[None] >= starts[:, None]
+    B, H, D = q.shape
+    qg = q.reshape(B, 2, 2, D)
+    logits = jnp.einsum("bkgd,btkd->bkgt", qg, dk[0]) / np.sqrt(D)
+    valid = jnp.asarray(tok) & (jnp.arange(dk.shape[2])[None] < cache.lengths[:, None])
+    logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
+    ref = jnp.einsum("bkgt,btkd->bkgd", jax.nn.softmax(logits, -1), dv[0]).reshape(B, H, D)
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+
+
+def test_window_pallas_matches_xla_in_interpreter():
+    cache, _, _ = random_cache(
+        jax.random.key(9),
+        block_size=16,
+        head_dim=16,
+        max_len=128,
+        lengths=(100, 37),
+        hbm_capacity=0.5,
+        host_memory_kind="device",
+    )
+    q = jax.random.normal(jax.random.key(1), (2, 8, 16))
+    for p in (PlacementConfig(), PlacementConfig(attention="sparse", topk=3)):
+        a, sa = tiered_attention(q, cache, 1, cache.lengths, p, impl="pallas", window=41)
+        b, sb = tiered_attention(q, cache, 1, cache.lengths, p, impl="xla", window=41)
+        np.testing.assert_allclose(a, b, atol=5e-5, rtol=5e-5)
+        assert (np.asarray(sa.read_host) == np.asarray(sb.read_host)).all()
+        assert not np.asarray(sa.read_hbm | sa.read_host)[0, :3].any()  # 100 - 41 = 59

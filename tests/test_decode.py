@@ -491,12 +491,73 @@ def test_pallas_decode_matches_xla_on_gpu_with_pinned_host():
     )
 
 
-def test_error_sliding_window_shorter_than_the_cache():
-    """A sliding-window model (Mistral) decodes wrong tokens through a cache that outgrows
-    its window: refused before anything is compiled."""
-    from models import tiny_model
+FIXTURES = __import__("pathlib").Path(__file__).parent / "models" / "fixtures"
+# the anneal policies compile their planner (~25 s each on 2 CPU cores): `make test-slow`
+LIVE_POLICIES = (
+    "static",
+    "lru",
+    "anneal+reuse+follow",
+    *(pytest.param(p, marks=pytest.mark.slow) for p in ("anneal", "anneal+reuse", "anneal+aw")),
+)
 
-    model = tiny_model(0, sliding_window=16)
-    with pytest.raises(ValueError, match=r"sliding window of 16 tokens .* use max_len <= 16"):
-        Decoder(model, _cfg(model, hbm=1.0, max_len=40, block_size=8))
-    Decoder(model, _cfg(model, hbm=1.0, max_len=16, block_size=8))  # inside the window: fine
+
+def _fixture_decode(name, policy, *, hbm=0.3, host=None, attention="exact", impl="xla"):
+    """Greedy tokens of a transformers fixture through the tiered decoder (block size 4: the
+    window starts inside a block), and the decoder's final state."""
+    from models import load_pretrained
+
+    with np.load(FIXTURES / name / "reference.npz") as z:
+        prompt, want = z["prompt"], z["continuation"]
+    model = load_pretrained(FIXTURES / name)
+    params = nnx.state(model)
+    cfg = CacheConfig.for_model(
+        model.config,
+        batch=1,
+        max_len=len(prompt) + len(want),
+        block_size=4,
+        hbm_capacity=hbm,
+        host_capacity=host,
+    )
+    placement = PlacementConfig(policy=policy, window=2, attention=attention, topk=3)
+    dec = Decoder(model, cfg, placement, max_new_tokens=len(want), impl=impl)
+    state = dec.generate(params, dec.prefill(params, jnp.asarray(prompt[None], jnp.int32)))
+    kvc.check_invariants(state.cache)
+    return np.asarray(state.tokens)[0], want, state, dec
+
+
+@pytest.mark.parametrize("policy", LIVE_POLICIES)
+def test_sliding_window_decode_equals_transformers(policy):
+    """Mistral (window 14 over a 20-token sequence, every layer): the tiered decoder's greedy
+    tokens equal transformers' under every live policy, with 30% of the cache in HBM."""
+    got, want, state, _ = _fixture_decode("mistral", policy)
+    np.testing.assert_array_equal(got, want)
+    assert 0.0 < summarize(state)["hbm_hit_rate"] < 1.0
+
+
+@pytest.mark.parametrize(
+    "policy", ["lru", pytest.param("anneal+reuse+follow", marks=pytest.mark.slow)]
+)
+def test_sliding_layers_decode_equals_transformers(policy):
+    """Qwen2 sliding in layer 1 only, over a window of 5 tokens (layer 0 attends all)."""
+    got, want, _, _ = _fixture_decode("qwen2_sliding", policy)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_sliding_window_reads_only_the_window():
+    """With a window of 5 and blocks of 4, the sliding layer reads the 2 or 3 blocks holding
+    the last 5 tokens, the full layer every written block. Blocks wholly before the window
+    are never read again: no plan targets them, so (the host pool having room) they leave
+    HBM. Sparse decoding under the window is placement-free too."""
+    got, want, state, dec = _fixture_decode("qwen2_sliding", "lru", hbm=0.6, host=1.0)
+    np.testing.assert_array_equal(got, want)
+    n = int(state.cache.lengths[0])
+    in_hbm = np.asarray(state.cache.in_hbm)[:, 0]
+    dead = (np.arange(in_hbm.shape[1]) + 1) * 4 <= n + 1 - 5
+    placeable = np.asarray(dec._placeable(state.cache)).reshape(in_hbm.shape)
+    assert dead.sum() >= 2 and not (placeable[1] & dead).any() and placeable[0, dead].all()
+    assert not (in_hbm[1] & dead).any() and in_hbm[1].any()
+    _, target = dec._plan_impl(state)
+    assert not (np.asarray(target).reshape(in_hbm.shape)[1] & dead).any()
+    sparse_all = _fixture_decode("qwen2_sliding", "lru", hbm=1.0, attention="sparse")[0]
+    sparse_tiered = _fixture_decode("qwen2_sliding", "lru", hbm=0.3, attention="sparse")[0]
+    np.testing.assert_array_equal(sparse_tiered, sparse_all)

@@ -3,7 +3,7 @@
 Run with an interpreter that has the `reference` extra (torch, transformers), e.g.:
 
     python -m venv /tmp/refenv && /tmp/refenv/bin/pip install torch==2.13.0 transformers safetensors
-    /tmp/refenv/bin/python tests/models/make_fixtures.py
+    /tmp/refenv/bin/python tests/models/make_fixtures.py [NAME ...]   # all, or just these
 
 For every architecture it initialises a tiny random model with transformers (PyTorch, CPU, fp32),
 rounds its weights to bf16 (the checkpoint is stored in bf16 to keep fixtures small; the
@@ -84,6 +84,19 @@ CASES = {
         dict(rope_theta=1000000.0, tie_word_embeddings=True),
         {},
     ),
+    # Qwen2 with a sliding window in layer 1 only (layer 0 < max_window_layers attends all),
+    # a window of 5 tokens: most of the 20-token sequence falls outside it.
+    "qwen2_sliding": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            rope_theta=1000000.0,
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=1,
+        ),
+        {},
+    ),
 }
 
 
@@ -158,14 +171,24 @@ def _build(name: str, seed: int) -> dict:
     }
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
+    """Builds the fixtures `names` (all of CASES when empty); VERSIONS.json keeps the others."""
     OUT.mkdir(exist_ok=True)
-    summary = {"torch": torch.__version__, "transformers": transformers.__version__}
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        raise SystemExit(f"unknown fixtures {unknown}: expected some of {sorted(CASES)}")
+    versions = OUT / "VERSIONS.json"
+    summary = json.loads(versions.read_text()) if names and versions.exists() else {}
+    built_with = dict(torch=torch.__version__, transformers=transformers.__version__)
+    if not names:
+        summary.update(built_with)
     for i, name in enumerate(CASES):
-        summary[name] = build(name, seed=1000 + i)
+        if names and name not in names:
+            continue
+        summary[name] = {**build(name, seed=1000 + i), **({} if not names else built_with)}
         print(name, summary[name], file=sys.stderr)
-    (OUT / "VERSIONS.json").write_text(json.dumps(summary, indent=1) + "\n")
+    versions.write_text(json.dumps(summary, indent=1) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

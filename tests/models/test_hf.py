@@ -1,5 +1,6 @@
 """Hugging Face loader: logits and greedy tokens against transformers fixtures, and errors."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from flax import nnx
 
 from models import (
+    Llama,
     eos_token_ids,
     init_dense_kv,
     load_config,
@@ -22,7 +24,7 @@ from models import (
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
-NAMES = ["llama2", "llama3", "llama31", "llama32", "mistral", "qwen2"]
+NAMES = ["llama2", "llama3", "llama31", "llama32", "mistral", "qwen2", "qwen2_sliding"]
 
 
 def _reference(name):
@@ -66,9 +68,6 @@ def test_matches_transformers(name):
     tokens, logits = _greedy_forward(model, ref["prompt"], len(ref["continuation"]))
     np.testing.assert_array_equal(tokens, ref["continuation"])
     np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=0)
-    if name == "mistral":  # decode_step has no sliding window; the fixture sequence exceeds it
-        assert model.config.sliding_window == 14
-        return
     np.testing.assert_array_equal(
         _greedy_decode(model, ref["prompt"], len(ref["continuation"])), ref["continuation"]
     )
@@ -177,11 +176,39 @@ def test_error_activation(tmp_path):
         load_pretrained(folder)
 
 
-def test_error_qwen2_sliding_window(tmp_path):
-    folder = _copy(tmp_path, "qwen2")
-    _edit_config(folder, use_sliding_window=True)
-    with pytest.raises(ValueError, match="use_sliding_window=true is not supported"):
-        load_pretrained(folder)
+def test_sliding_windows_translate(tmp_path):
+    """Mistral slides in every layer; Qwen2 only with use_sliding_window, in the layers its
+    layer_types mark (by default from max_window_layers on)."""
+    m = load_config(FIXTURES / "mistral")
+    assert m.sliding_window == 14 and m.layer_windows() == (14, 14)
+    q = load_config(FIXTURES / "qwen2_sliding")
+    assert q.sliding_window == 5 and q.layer_windows() == (0, 5)
+    assert load_config(FIXTURES / "qwen2").sliding_window is None
+    folder = _copy(tmp_path, "qwen2_sliding")
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["layer_types"]  # a transformers 4 config: max_window_layers decides
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert load_config(folder).layer_windows() == (0, 5)
+    _edit_config(folder, max_window_layers=0)
+    assert load_config(folder).layer_windows() == (5, 5)
+    _edit_config(folder, use_sliding_window=False)
+    assert load_config(folder).sliding_window is None
+    _edit_config(folder, use_sliding_window=True, layer_types=["full_attention", "local"])
+    with pytest.raises(ValueError, match=r"layer_types=\['full_attention', 'local'\]: expect"):
+        load_config(folder)
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2_sliding"])
+def test_the_window_matters(name):
+    """The sliding-window fixtures' sequences outgrow their windows: without the window the
+    greedy tokens differ from transformers' (so the window tests above can fail)."""
+    ref = _reference(name)
+    model = load_pretrained(FIXTURES / name)
+    graphdef, state = nnx.split(model)
+    c = dataclasses.replace(model.config, sliding_window=None, sliding_layers=None)
+    unwindowed = nnx.merge(nnx.split(Llama(c, rngs=nnx.Rngs(0)))[0], state)
+    tokens, _ = _greedy_forward(unwindowed, ref["prompt"], len(ref["continuation"]))
+    assert (tokens != ref["continuation"]).any()
 
 
 def test_error_shape_mismatch(tmp_path):

@@ -1,6 +1,7 @@
 """Llama forward / prefill / decode_step consistency and config validation."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +127,26 @@ def test_sliding_window_masks_old_tokens():
     assert not np.allclose(np.asarray(a[:, 6:]), np.asarray(b[:, 6:]))
 
 
+def test_sliding_layers_slide_only_those_layers():
+    """sliding_layers=(1,): layer 0 attends everything, layer 1 the window (Qwen2's
+    max_window_layers); the dense decode path agrees with the forward on every token."""
+    c = tiny_config(sliding_window=3, sliding_layers=(1,))
+    assert c.layer_windows() == (0, 3)
+    m, every, none = (
+        tiny_model(0, sliding_window=3, sliding_layers=(1,)),
+        tiny_model(0, sliding_window=3),
+        tiny_model(0),
+    )
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, 12)), jnp.int32)
+    a, b, f = (np.asarray(x(tokens)) for x in (m, every, none))
+    assert not np.allclose(a[:, 5:], b[:, 5:]) and not np.allclose(a[:, 5:], f[:, 5:])
+    attend = make_dense_attend(m.config)
+    kv = init_dense_kv(m.config, 1, 12)
+    for t in range(12):
+        logits, kv = m.decode_step(tokens[:, t], kv.lengths, attend, kv)
+        np.testing.assert_allclose(np.asarray(logits)[0], a[0, t], atol=2e-4, rtol=1e-4)
+
+
 def test_llama3_rope_scaling_frequencies():
     c = tiny_config(
         rope_theta=10000.0,
@@ -154,11 +175,13 @@ def test_llama3_rope_scaling_frequencies():
         (dict(num_kv_heads=3), "not a multiple of num_kv_heads=3"),
         (dict(head_dim=15), "head_dim=15: expected an even number"),
         (dict(dtype="int8"), "dtype='int8': expected one of"),
-        (dict(sliding_window=0), "sliding_window=0: expected None or > 0"),
+        (dict(sliding_window=0), "sliding_window=0: expected None or an int > 0"),
+        (dict(sliding_layers=(0,)), "sliding_layers=(0,): expected None or distinct"),
+        (dict(sliding_window=4, sliding_layers=(0, 9)), "in [0, 2) with a sliding_window"),
     ],
 )
 def test_config_errors(overrides, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         tiny_config(**overrides)
 
 

@@ -60,8 +60,8 @@ def make_case(
     return q, k, v, jnp.asarray(table), jnp.asarray(mask), jnp.asarray(lengths, jnp.int32)
 
 
-def dense_numpy(q, k, v, table, mask, lengths, scale=None, softcap=None):
-    """float64 attention over the dense token list each row attends."""
+def dense_numpy(q, k, v, table, mask, lengths, scale=None, softcap=None, starts=None):
+    """float64 attention over the dense token list each row attends (tokens from `starts`)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     batch, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k.shape
@@ -75,7 +75,7 @@ def dense_numpy(q, k, v, table, mask, lengths, scale=None, softcap=None):
             for j in range(table.shape[1])
             if mask[b, j]
             for t in range(block_size)
-            if j * block_size + t < lengths[b]
+            if (0 if starts is None else starts[b]) <= j * block_size + t < lengths[b]
         ]
         if not toks:
             continue
@@ -211,7 +211,57 @@ def test_plan_compacts_attended_blocks_in_order():
     np.testing.assert_array_equal(meta[0, :, 0], [3, 0])  # blocks per split
     np.testing.assert_array_equal(meta[0, 0, 4:8], [7, 5, 4, 0])  # slots, logical order
     np.testing.assert_array_equal(meta[0, 0, 8:12], [16, 16, 2, 0])  # valid tokens
+    np.testing.assert_array_equal(meta[0, 0, 12:16], [0, 0, 0, 0])  # from each block's start
     np.testing.assert_array_equal(meta[1, :, 0], [0, 0])  # nothing attended: no loads
+
+
+def test_plan_skips_blocks_before_the_window():
+    """A sliding window's start: blocks wholly before it are not listed, the boundary block's
+    valid tokens start past 0."""
+    table = jnp.asarray([[7, 6, 5, 4, 3]], jnp.int32)
+    mask = jnp.ones((1, 5), bool)
+    lengths, starts = jnp.asarray([70], jnp.int32), jnp.asarray([37], jnp.int32)
+    meta = np.asarray(
+        ba.plan_blocks(
+            table,
+            mask,
+            lengths,
+            block_size=16,
+            num_slots=8,
+            num_splits=1,
+            per_split=5,
+            starts=starts,
+        )
+    )
+    assert meta[0, 0, 0] == 3  # blocks 2, 3, 4 (tokens 32-79); 0 and 1 end before 37
+    np.testing.assert_array_equal(meta[0, 0, 4:7], [5, 4, 3])
+    np.testing.assert_array_equal(meta[0, 0, 9:12], [16, 16, 6])  # ends
+    np.testing.assert_array_equal(meta[0, 0, 14:17], [5, 0, 0])  # firsts: 37 - 32 = 5
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("sizes", [BlockSizes(), BlockSizes(num_splits=2, blocks_per_step=2)])
+def test_window_starts_match_reference_and_dense(dtype, sizes):
+    """Rows attend [starts, lengths): a start inside a block (token-masked), on a block
+    boundary, at 0, and past a sparse mask's only block (nothing attended)."""
+    mask = np.ones((4, 5), bool)
+    mask[3] = [True, False, False, False, False]
+    case = make_case(6, dtype=dtype, max_blocks=5, lengths=[80, 75, 33, 70], mask=mask)
+    starts = jnp.asarray([37, 48, 0, 20], jnp.int32)
+    want = blocked_attention_reference(*case, starts=starts)
+    assert_close(blocked_attention(*case, starts=starts, block_sizes=sizes), want, TOL[dtype])
+    dense = dense_numpy(*case, starts=np.asarray(starts))
+    assert_close(want, dense, REFERENCE_TOL[dtype])
+    assert np.all(np.isneginf(np.asarray(want[1][3])))
+    # the window changes the result: row 0 without it attends 37 more tokens
+    full = blocked_attention_reference(*case)
+    assert not np.allclose(np.asarray(full[0][0]), np.asarray(want[0][0]), atol=1e-3)
+
+
+def test_error_starts_shape():
+    case = make_case(0)
+    with pytest.raises(ValueError, match=r"starts must be None or int32 \[batch=3\]"):
+        blocked_attention_reference(*case, starts=jnp.zeros((2,), jnp.int32))
 
 
 def test_jit_composes_without_retracing():
@@ -319,6 +369,9 @@ def test_lowers_for_cuda(config, semantics, monkeypatch):
     pools = [s((3, *a.shape), a.dtype) for a in args[1:3]]
     layered = (args[0], *pools, *args[3:], s((), jnp.int32))
     text = jax.jit(fn).trace(*layered).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    windowed = (*layered, s((4,), jnp.int32))  # a sliding window's starts
+    text = jax.jit(fn).trace(*windowed).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
