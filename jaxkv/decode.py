@@ -401,6 +401,7 @@ class Decoder:
         lengths = np.full((c.batch,), T) if lengths is None else np.asarray(lengths)
         if lengths.shape != (c.batch,) or (lengths < 1).any() or (lengths > T).any():
             raise ValueError(f"lengths={lengths.tolist()} must be {c.batch} values in [1, {T}]")
+        _check_token_ids(prompts, lengths, self.model_config.vocab_size)
         key = jax.random.key(0) if key is None else key
         return self._prefill(
             params, prompts.astype(jnp.int32), jnp.asarray(lengths, jnp.int32), key
@@ -408,7 +409,17 @@ class Decoder:
 
     def step(self, params, state: DecodeState) -> DecodeState:
         """One decode step for every unfinished sequence (the state is donated): `window_step`
-        when the step ends a window, else `decode_step`, chosen on the device."""
+        when the step ends a window, else `decode_step`, chosen on the device.
+
+        Raises ValueError once the state holds max_new_tokens tokens (it reads the state's
+        step counter, which waits for the previous step; `decode_step` / `window_step` are
+        the unchecked jits, where a step past the end leaves every sequence as it is)."""
+        done = int(state.sampling.step)
+        if done >= self.max_new_tokens - 1:
+            raise ValueError(
+                f"the state has decoded max_new_tokens={self.max_new_tokens} tokens (step "
+                f"{done}): no room for another; build the Decoder with a larger max_new_tokens"
+            )
         return self._step(params, state)
 
     def generate(self, params, state: DecodeState, until: int | None = None) -> DecodeState:
@@ -500,8 +511,11 @@ class Decoder:
         )
 
     def _active(self, state: DecodeState):
+        """[batch] bool: the sequences this step decodes (not done, room in the cache and in
+        the token buffer)."""
         c = self.cache_config
-        return ~state.sampling.done & (state.cache.lengths < c.max_len)
+        room = state.sampling.step < self.max_new_tokens - 1
+        return ~state.sampling.done & (state.cache.lengths < c.max_len) & room
 
     def _either_step(self, params, state: DecodeState) -> DecodeState:
         """`window_step` when this step ends the window, else `decode_step` (one branch)."""
@@ -780,6 +794,20 @@ class Decoder:
             return (s.sampling.step < until) & ~jnp.all(s.sampling.done) & ~full
 
         return jax.lax.while_loop(cond, lambda s: self._either_step(params, s), state)
+
+
+def _check_token_ids(prompts, lengths, vocab_size: int):
+    """ValueError naming the first prompt token (inside its sequence's length) outside
+    [0, vocab_size): the embedding lookup would clamp it silently."""
+    ids = np.asarray(prompts)
+    inside = np.arange(ids.shape[1])[None] < np.asarray(lengths)[:, None]
+    bad = inside & ((ids < 0) | (ids >= vocab_size))
+    if bad.any():
+        b, t = (int(i[0]) for i in np.nonzero(bad))
+        raise ValueError(
+            f"prompts[{b}, {t}] = {int(ids[b, t])}: expected token ids in [0, "
+            f"vocab_size={vocab_size}) ({int(bad.sum())} outside)"
+        )
 
 
 def summarize(

@@ -352,11 +352,22 @@ class Llama(nnx.Module):
         return out.astype(jnp.float32)
 
     def _check_tokens(self, tokens: jax.Array, ndim: int, what: str):
+        """Rank and dtype always; the id range when the tokens are concrete (under jit they
+        are not, and the embedding lookup clamps an id outside the vocabulary)."""
         if tokens.ndim != ndim or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(
                 f"{what}: got shape {tokens.shape} dtype {tokens.dtype}: expected an integer "
                 f"array of rank {ndim}"
             )
+        if not isinstance(tokens, jax.core.Tracer):
+            ids = np.asarray(tokens)
+            bad = (ids < 0) | (ids >= self.config.vocab_size)
+            if bad.any():
+                at = tuple(int(i[0]) for i in np.nonzero(bad))
+                raise ValueError(
+                    f"{what}: token id {int(ids[at])} at {at}: expected ids in [0, "
+                    f"vocab_size={self.config.vocab_size})"
+                )
 
     def _qkv(self, block: Block, x: jax.Array, positions: jax.Array):
         """x [..., dim], positions [...] -> q [..., H, hd], k, v [..., Hkv, hd] (RoPE applied)."""

@@ -444,6 +444,37 @@ def test_error_max_new_tokens(tiny):
         Decoder(model, _cfg(model, hbm=1.0), max_new_tokens=0)
 
 
+def test_error_prompt_token_ids_outside_the_vocabulary(tiny):
+    """Ids past the vocabulary (or negative) are refused; padding past a length is not read."""
+    model, params = tiny
+    dec = Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(), max_new_tokens=2)
+    prompts = np.zeros((2, 4), np.int32)
+    prompts[1, 2] = 300
+    with pytest.raises(ValueError, match=r"prompts\[1, 2\] = 300: expected token ids in \[0, "):
+        dec.prefill(params, prompts)
+    prompts[1, 2] = -7
+    with pytest.raises(ValueError, match=r"prompts\[1, 2\] = -7: expected .*vocab_size=256"):
+        dec.prefill(params, prompts)
+    dec.prefill(params, prompts, [4, 2])  # -7 is padding there
+    with pytest.raises(ValueError, match=r"token id 256 at \(0, 1\): expected ids in \[0, vocab"):
+        model(jnp.asarray([[1, 256]], jnp.int32))
+
+
+def test_step_past_max_new_tokens(tiny):
+    """`step` refuses a state that holds max_new_tokens tokens (it overwrote the last token and
+    dropped the metrics); the unchecked `decode_step` leaves every sequence as it is."""
+    model, params = tiny
+    dec = Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(), max_new_tokens=3)
+    state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
+    assert int(state.step) == 2
+    tokens, lengths = np.asarray(state.tokens), np.asarray(state.cache.lengths)
+    with pytest.raises(ValueError, match=r"decoded max_new_tokens=3 tokens \(step 2\): no room"):
+        dec.step(params, state)
+    after = dec.decode_step(params, state)
+    np.testing.assert_array_equal(np.asarray(after.tokens), tokens)
+    np.testing.assert_array_equal(np.asarray(after.cache.lengths), lengths)
+
+
 def test_error_sampling_temperature():
     with pytest.raises(ValueError, match=r"temperature must be > 0, got 0"):
         Sampling(temperature=0)
