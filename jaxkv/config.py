@@ -33,6 +33,42 @@ def _positive_int(name: str, value, minimum: int = 1) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def check_number(
+    name: str,
+    value,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    integer: bool = False,
+) -> None:
+    """Raises ValueError `"{name}={value!r}: expected ..."` unless `value` is a finite real number
+    (an integer when `integer`; never a bool) within [low, high] (either end open with
+    `low_open` / `high_open`; None = unbounded). The check behind the command-line options."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if integer:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        lo, hi = (b if b is None or not float(b).is_integer() else int(b) for b in (low, high))
+        what = "an integer" if integer else "a finite number"
+        if low is not None and high is not None:
+            what += f" in {'(' if low_open else '['}{lo}, {hi}{')' if high_open else ']'}"
+        elif low is not None:
+            what += f" {'>' if low_open else '>='} {lo}"
+        elif high is not None:
+            what += f" {'<' if high_open else '<='} {hi}"
+        raise ValueError(f"{name}={value!r}: expected {what}")
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """Geometry and capacities of a TieredKVCache.
@@ -262,8 +298,9 @@ class AnnealConfig:
         _positive_int("patience", self.patience)
         if not 0.0 < self.cooling <= 1.0:
             raise ValueError(f"cooling must lie in (0, 1], got {self.cooling!r}")
-        if not self.t0_fraction > 0.0:
-            raise ValueError(f"t0_fraction must be > 0, got {self.t0_fraction!r}")
+        check_number("t0_fraction", self.t0_fraction, low=0.0, low_open=True)
+        check_number("min_improvement", self.min_improvement, low=0.0)
+        check_number("move_prob", self.move_prob, low=0.0, high=1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,7 +339,7 @@ class PlacementConfig:
         _positive_int("max_moves", self.max_moves, 0)
         if self.attention not in ("exact", "sparse"):
             raise ValueError(f"attention must be 'exact' or 'sparse', got {self.attention!r}")
-        if isinstance(self.topk, float):
+        if isinstance(self.topk, (float, np.floating)):
             if not 0.0 < self.topk <= 1.0:
                 raise ValueError(f"topk as a fraction must lie in (0, 1], got {self.topk!r}")
         else:
@@ -310,6 +347,8 @@ class PlacementConfig:
         _positive_int("sink_blocks", self.sink_blocks, 0)
         _positive_int("recent_blocks", self.recent_blocks, 0)
         _positive_int("compact_every", self.compact_every, 0)
+        for name in ("min_window", "max_window", "window_step"):
+            _positive_int(name, getattr(self, name))
         if not 1 <= self.min_window <= self.max_window:
             raise ValueError(
                 f"need 1 <= min_window <= max_window, got {self.min_window}, {self.max_window}"

@@ -64,6 +64,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import time
 from typing import Any
 
@@ -75,7 +76,7 @@ from jaxkv import bounds as bnd
 from jaxkv import cost
 from jaxkv import importance as imp
 from jaxkv._pytree import pytree_dataclass, static_field
-from jaxkv.config import AnnealConfig, HardwareProfile
+from jaxkv.config import AnnealConfig, HardwareProfile, check_number
 from jaxkv.policies import (
     NOW_SPREAD,
     NOW_WINDOW,
@@ -471,6 +472,98 @@ def _time_rule(policy, state: SimState, setup: Setup, reads_buf, t, repeats: int
     return best
 
 
+# The numeric arguments `simulate` checks: name -> `jaxkv.config.check_number` bounds (None is
+# allowed where the argument's default is None). `jaxkv simulate` checks its options by them.
+ARG_BOUNDS: dict[str, dict] = {
+    "sparsity": dict(low=0.0, high=1.0, high_open=True),
+    "hbm_budget": dict(low=0.0, low_open=True),
+    "capacity_blocks": dict(integer=True, low=0),
+    "chunk": dict(integer=True, low=1),
+    "demote_cost": dict(low=0.0),
+    "window": dict(integer=True, low=1),
+    "interval": dict(integer=True, low=1),
+    "discount": dict(low=0.0, high=1.0, low_open=True),
+    "now_window": dict(integer=True, low=1),
+    "now_spread": dict(low=0.0),
+    "oracle_window": dict(integer=True, low=1),
+    "oracle_discount": dict(low=0.0, high=1.0, low_open=True),
+    "oracle_tail": dict(integer=True, low=0),
+    "dual_window": dict(integer=True, low=1),
+    "follow_window": dict(integer=True, low=1),
+    "ride": dict(low=0.0, high=1.0),
+    "steps": dict(integer=True, low=1),
+    "seed": dict(integer=True, low=0, high=2**32 - 1),  # a uint32: synthetic traces hash it
+}
+
+
+def check_args(values: dict, label=lambda name: name) -> None:
+    """Checks the `simulate` arguments in `values` (name -> value; None passes) against
+    ARG_BOUNDS; errors name each by `label(name)` (the CLI passes its option names)."""
+    for name, bounds in ARG_BOUNDS.items():
+        if values.get(name) is not None:
+            check_number(label(name), values[name], **bounds)
+
+
+def check_policies(names, label: str = "policies") -> None:
+    """Checks a list of policy names (see the module docstring) before any work; ValueError
+    names the bad one and what is expected."""
+    if isinstance(names, str) or not names:
+        raise ValueError(
+            f"{label}={names!r}: expected a non-empty list of policy names, e.g. "
+            "['static', 'lru', 'anneal', 'unlimited']"
+        )
+    for n in names:
+        if not isinstance(n, str):
+            raise ValueError(f"{label}: policy {n!r} is not a name (expected a str)")
+        if n.startswith("paper-sa["):
+            w, r, *rest = (n[len("paper-sa[") : -1] + ",,").split(",")
+            try:
+                ok = n.endswith("]") and not any(rest) and int(w) >= 1 and 0 < float(r) <= 1
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(
+                    f"{label}: policy {n!r}: expected paper-sa[W,R], W an integer lookahead "
+                    ">= 1 and R a fraction in (0, 1], e.g. paper-sa[10,0.5]"
+                )
+            continue
+        try:
+            split_name(n)
+        except ValueError as e:
+            raise ValueError(f"{label}: {e}") from None
+
+
+def check_memory(setup: Setup, chunk: int, horizon: int, num_policies: int) -> None:
+    """Refuses a simulation whose arrays cannot fit in the device's memory (on CPU, the
+    machine's RAM), before allocating them: per chunk the dense mass of chunk + horizon steps
+    ([steps, layers, blocks] float32, with its masked and sorted copies and the reads), and per
+    policy its state (about eight [layers, blocks] arrays of 4 bytes)."""
+    cells = setup.num_layers * setup.num_blocks
+    need = (chunk + horizon) * cells * (3 * 4 + 2) + num_policies * cells * 8 * 4
+    have = available_memory()
+    if have and need > have:
+        dev = jax.devices()[0]
+        where = "this machine has" if dev.platform == "cpu" else f"the {dev.device_kind} has"
+        raise ValueError(
+            f"the simulation needs at least {need / 1e9:,.1f} GB ({setup.num_layers} layers x "
+            f"{setup.num_blocks:,} blocks, chunks of {chunk} + {horizon} steps, {num_policies} "
+            f"polic{'y' if num_policies == 1 else 'ies'}) but {where} {have / 1e9:,.1f} GB: "
+            "expected a shorter prompt, fewer layers, a larger block size or a smaller chunk"
+        )
+
+
+def available_memory() -> int:
+    """Bytes of memory on the default device: its allocator's limit on a GPU, else the
+    machine's physical memory (0 when unknown)."""
+    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)() or {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def pool_capacity(trace, geometry: cost.Geometry, hbm_budget: float, capacity_blocks=None):
     """(geometry with the trace's layer count, HBM pool blocks per layer): `capacity_blocks`
     when given, else what the budget leaves for KV after the weights, less the tail block."""
@@ -478,6 +571,12 @@ def pool_capacity(trace, geometry: cost.Geometry, hbm_budget: float, capacity_bl
         geometry = dataclasses.replace(geometry, num_layers=trace.num_layers)
     if capacity_blocks is None:
         capacity_blocks = geometry.hbm_capacity_tokens(hbm_budget) // trace.block_size - 1
+        if capacity_blocks < 0:
+            raise ValueError(
+                f"HBM budget {hbm_budget / 1e9:.3f} GB leaves no room after the "
+                f"{geometry.param_bytes / 1e9:.1f} GB of parameters for one block of "
+                f"{trace.block_size} tokens besides the tail block: expected a larger budget"
+            )
     if capacity_blocks < 0:
         raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
     return geometry, capacity_blocks
@@ -570,9 +669,35 @@ def simulate(
       Unlimited, >= both), cache_crossings (the fewest crossings, per layer), cache_note (why
       cache_s is None, else absent) and cache_wall_s (seconds spent on the cache bound: packing
       the reads and Belady).
+    Raises:
+      ValueError, before any work: an argument outside ARG_BOUNDS, a bad policy name
+      (`check_policies`), or arrays that cannot fit in the device's memory (`check_memory`).
     """
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity must lie in [0, 1), got {sparsity!r}")
+    check_args(
+        dict(
+            sparsity=sparsity,
+            hbm_budget=hbm_budget,
+            capacity_blocks=capacity_blocks,
+            chunk=chunk,
+            demote_cost=demote_cost,
+            window=window,
+            interval=interval,
+            discount=discount,
+            now_window=now_window,
+            now_spread=now_spread,
+            oracle_window=oracle_window,
+            oracle_discount=oracle_discount,
+            oracle_tail=oracle_tail,
+            dual_window=dual_window,
+            follow_window=follow_window,
+            ride=ride,
+            steps=steps,
+            seed=seed,
+        )
+    )
+    check_policies(policies)
     if follow_admit is not None:
         from jaxkv.policies import FOLLOW_ADMITS  # at call time: older policies lack it
 
@@ -622,6 +747,7 @@ def simulate(
         )
     n_steps = min(steps or trace.steps, trace.steps)
     horizon = max([getattr(p, "horizon", 1) for p in pols.values()] + [1])
+    check_memory(setup, min(chunk, n_steps), horizon, len(pols))
     states = {n: init_state(p, setup) for n, p in pols.items()}
     acc = {n: dict(latency=0.0, hbm=0.0, reads=0.0, migrated=0.0, plans=0, wall=0.0) for n in names}
     L = setup.num_layers

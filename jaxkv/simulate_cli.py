@@ -6,8 +6,19 @@ import json
 
 from jaxkv import cost
 from jaxkv import trace as tr
-from jaxkv.config import AnnealConfig, HardwareProfile
-from jaxkv.simulate import DUAL_WINDOW, FOLLOW_WINDOW, NOW_SPREAD, simulate
+from jaxkv.config import AnnealConfig, HardwareProfile, check_number
+from jaxkv.simulate import (
+    ARG_BOUNDS,
+    DUAL_WINDOW,
+    FOLLOW_WINDOW,
+    NOW_SPREAD,
+    check_args,
+    check_policies,
+    simulate,
+)
+
+# the sizes of a synthetic trace (`jaxkv.trace.SyntheticTrace`) by default
+TRACE_SIZE = {"prompt_len": 31_299, "steps": 2_048, "layers": 32, "block_size": 16}
 
 
 def format_table(result: dict) -> str:
@@ -52,9 +63,9 @@ def format_table(result: dict) -> str:
 def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> None:
     """The trace-size, cost-model and policy flags of `jaxkv simulate`, shared with
     bench/bench_simulate.py; `simulation_kwargs` turns them into `simulate` arguments."""
-    p.add_argument("--prompt-len", type=int, default=31_299)
-    p.add_argument("--steps", type=int, default=2_048)
-    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=TRACE_SIZE["prompt_len"])
+    p.add_argument("--steps", type=int, default=TRACE_SIZE["steps"])
+    p.add_argument("--layers", type=int, default=TRACE_SIZE["layers"])
     p.add_argument("--profile", default="gh200-paper")
     p.add_argument("--geometry", default=geometry)
     p.add_argument(
@@ -67,7 +78,7 @@ def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> 
         "--capacity-blocks", type=int, default=None, help="HBM pool blocks per layer (overrides)"
     )
     p.add_argument("--window", type=int, default=10, help="anneal lookahead W")
-    p.add_argument("--interval", type=int, default=1, help="anneal: steps between plans")
+    p.add_argument("--interval", type=int, default=1, help="anneal: steps between plans (>= 1)")
     p.add_argument("--discount", type=float, default=0.8, help="anneal: per-step discount")
     p.add_argument(
         "--now-window",
@@ -137,8 +148,35 @@ def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> 
     p.add_argument("--seed", type=int, default=0)
 
 
+def _option(name: str) -> str:
+    """The command-line option of a `simulate` argument."""
+    return "--hbm-gb" if name == "hbm_budget" else "--" + name.replace("_", "-")
+
+
+def check_simulation_args(args) -> None:
+    """Checks the flags of `add_simulation_args` (and --sparsity where the parser has it) before
+    any work; ValueError names the option, its value and what was expected."""
+    values = {name: getattr(args, name, None) for name in ARG_BOUNDS}
+    values["hbm_budget"] = args.hbm_gb
+    check_args(values, label=_option)
+    for option, value, low in (("--prompt-len", args.prompt_len, 0), ("--layers", args.layers, 1)):
+        if value is not None:
+            check_number(option, value, integer=True, low=low)
+    check_number("--chains", args.chains, integer=True, low=1)
+    for option, name, lookup in (
+        ("--profile", args.profile, HardwareProfile.preset),
+        ("--geometry", args.geometry, cost.get_geometry),
+    ):
+        try:
+            lookup(name)
+        except ValueError as e:
+            raise ValueError(f"{option}={name!r}: {e}") from None
+
+
 def simulation_kwargs(args) -> dict:
-    """`simulate` keyword arguments from the flags of `add_simulation_args`."""
+    """`simulate` keyword arguments from the flags of `add_simulation_args`, checked first
+    (`check_simulation_args`)."""
+    check_simulation_args(args)
     return dict(
         profile=HardwareProfile.preset(args.profile),
         geometry=cost.get_geometry(args.geometry),
@@ -178,16 +216,53 @@ def add_cli(sub) -> None:
     )
     p.add_argument("--sparsity", type=float, default=0.6)
     p.add_argument("--policies", default="static,lru,page,paper-sa,anneal,anneal-oracle,unlimited")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None)
     add_simulation_args(p)
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=_main)
+    # the trace sizes apply to synthetic traces only: None tells a default from a given option
+    p.set_defaults(func=_main, prompt_len=None, steps=None, layers=None)
+
+
+def check_cli_args(args) -> list[str]:
+    """Checks every option of `jaxkv simulate` before a trace is read, fills in a synthetic
+    trace's default sizes, and returns the policy names. ValueError names the option, its value
+    and what was expected."""
+    sizes = {"prompt_len": args.prompt_len, "steps": args.steps, "layers": args.layers}
+    sizes["block_size"] = args.block_size
+    if args.trace.startswith("synthetic:"):
+        kind = args.trace.split(":", 1)[1]
+        if kind not in tr.SYNTHETIC_KINDS:
+            raise ValueError(
+                f"--trace={args.trace!r}: unknown synthetic trace {kind!r}; expected one of "
+                f"{[f'synthetic:{k}' for k in tr.SYNTHETIC_KINDS]} or a .npz path"
+            )
+        for name, value in sizes.items():
+            setattr(args, name, TRACE_SIZE[name] if value is None else value)
+    else:
+        given = [_option(n) for n, v in sizes.items() if v is not None]
+        if given:
+            raise ValueError(
+                f"--trace={args.trace!r} is a recorded trace, whose own sizes apply: "
+                f"{', '.join(given)} size{'s' if len(given) == 1 else ''} synthetic traces only; "
+                "drop " + ("it" if len(given) == 1 else "them")
+            )
+    if args.block_size is not None:
+        check_number("--block-size", args.block_size, integer=True, low=1)
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    if not names:
+        raise ValueError(
+            f"--policies={args.policies!r}: expected comma-separated policy names, e.g. "
+            "static,lru,anneal,unlimited"
+        )
+    check_policies(names, "--policies")
+    return names
 
 
 def _main(args) -> int:
-    kwargs = simulation_kwargs(args)  # validates profile and geometry names first
-    trace = tr.parse_spec(
+    names = check_cli_args(args)
+    kwargs = simulation_kwargs(args)  # checks the numeric options, profile and geometry
+    trace = tr.parse_spec(  # a file's own sizes apply (the size options are None then)
         args.trace,
         prompt_len=args.prompt_len,
         steps=args.steps,
@@ -195,7 +270,6 @@ def _main(args) -> int:
         block_size=args.block_size,
         seed=args.seed,
     )
-    names = [n.strip() for n in args.policies.split(",") if n.strip()]
     result = simulate(trace, names, sparsity=args.sparsity, progress=not args.no_progress, **kwargs)
     if args.json:
         keys = (
@@ -221,4 +295,11 @@ def _main(args) -> int:
     return 0
 
 
-__all__ = ["add_cli", "add_simulation_args", "format_table", "simulation_kwargs"]
+__all__ = [
+    "add_cli",
+    "add_simulation_args",
+    "check_cli_args",
+    "check_simulation_args",
+    "format_table",
+    "simulation_kwargs",
+]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ import numpy as np
 
 SYNTHETIC_KINDS = ("recency-low", "recency-high", "patterns", "real-like")
 _REQUIRED = ("version", "prompt_len", "block_size", "ids", "mass")
+MAX_POSITION = 2**31 - 1  # token positions and block ids are int32
 
 
 def context_blocks(prompt_len: int, step, block_size: int):
@@ -94,16 +96,28 @@ def save(path, trace: FileTrace) -> None:
     )
 
 
+def _int_field(fields: dict, name: str) -> int:
+    """A scalar integer field (a 0-d integer array or a Python int)."""
+    a = np.asarray(fields[name])
+    if a.ndim != 0:
+        raise ValueError(f"trace field {name!r} has shape {a.shape}, expected a scalar")
+    if a.dtype.kind not in "iu":
+        raise ValueError(
+            f"trace field {name!r} is {a.item()!r} of dtype {a.dtype}, expected an integer"
+        )
+    return int(a)
+
+
 def validate(fields: dict) -> FileTrace:
     """Checks a dict of trace fields and builds a FileTrace; ValueError names the bad field."""
     for f in _REQUIRED:
         if f not in fields:
             raise ValueError(f"trace is missing field {f!r}; expected fields {list(_REQUIRED)}")
-    version = int(np.asarray(fields["version"]))
+    version = _int_field(fields, "version")
     if version != 1:
         raise ValueError(f"trace field 'version' is {version}, expected 1")
-    prompt_len = int(np.asarray(fields["prompt_len"]))
-    block_size = int(np.asarray(fields["block_size"]))
+    prompt_len = _int_field(fields, "prompt_len")
+    block_size = _int_field(fields, "block_size")
     if prompt_len < 0:
         raise ValueError(f"trace field 'prompt_len' is {prompt_len}, expected >= 0")
     if block_size < 1:
@@ -117,6 +131,16 @@ def validate(fields: dict) -> FileTrace:
     if mass.shape != ids.shape:
         raise ValueError(
             f"trace field 'mass' has shape {mass.shape}, expected the shape of 'ids' {ids.shape}"
+        )
+    if mass.dtype.kind not in "fiu":
+        raise ValueError(
+            f"trace field 'mass' has dtype {mass.dtype}, expected a real floating-point dtype "
+            "(float32)"
+        )
+    if prompt_len + ids.shape[0] > MAX_POSITION:
+        raise ValueError(
+            f"trace field 'prompt_len' is {prompt_len}: with {ids.shape[0]} steps the positions "
+            f"pass {MAX_POSITION} (int32), expected prompt_len <= {MAX_POSITION - ids.shape[0]}"
         )
     if ids.size and ids.min() < -1:
         raise ValueError(f"trace field 'ids' has id {int(ids.min())}, expected >= 0 (or -1 = pad)")
@@ -132,14 +156,57 @@ def validate(fields: dict) -> FileTrace:
         raise ValueError("trace field 'mass' has NaN or infinite values, expected finite")
     if mass.size and mass.min() < 0:
         raise ValueError(f"trace field 'mass' has value {float(mass.min())}, expected >= 0")
-    name = str(np.asarray(fields["name"])) if "name" in fields else "file"
+    name = "file"
+    if "name" in fields:
+        n = np.asarray(fields["name"])
+        if n.ndim != 0 or n.dtype.kind not in "US":
+            raise ValueError(
+                f"trace field 'name' has dtype {n.dtype} and shape {n.shape}, expected a string"
+            )
+        name = n.item().decode(errors="replace") if n.dtype.kind == "S" else str(n)
     return FileTrace(prompt_len, block_size, ids.astype(np.int32), mass.astype(np.float32), name)
 
 
 def load(path) -> FileTrace:
-    """Reads and validates a version-1 .npz trace."""
-    with np.load(path, allow_pickle=False) as z:
-        return validate({k: z[k] for k in z.files})
+    """Reads and validates a version-1 .npz trace; a file that is missing, not a .npz archive
+    (a .npy array, truncated, corrupt) or holds an unreadable field raises ValueError."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"trace {str(p)!r}: file not found")
+    if p.is_dir():
+        raise ValueError(f"trace {str(p)!r}: is a directory, expected a .npz file")
+    try:
+        z = np.load(p, allow_pickle=False)
+    except Exception as e:  # noqa: BLE001 -- every way a file can fail to open as .npz
+        raise ValueError(
+            f"trace {str(p)!r}: not a readable .npz archive ({type(e).__name__}: {e})"
+        ) from None
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise ValueError(
+            f"trace {str(p)!r}: holds a single array (.npy), expected a .npz archive of the "
+            f"fields {list(_REQUIRED)} (jaxkv.trace.save)"
+        )
+    fields = {}
+    with z:
+        for k in z.files:
+            try:
+                fields[k] = z[k]
+            except ValueError as e:
+                if "allow_pickle" not in str(e):
+                    raise ValueError(f"trace {str(p)!r}: field {k!r} is unreadable ({e})") from None
+                raise ValueError(
+                    f"trace {str(p)!r}: field {k!r} is an object array (pickled Python "
+                    "objects), expected a numeric or string array"
+                ) from None
+            except Exception as e:  # noqa: BLE001 -- truncated or corrupt member
+                raise ValueError(
+                    f"trace {str(p)!r}: field {k!r} is unreadable, the file is truncated or "
+                    f"corrupt ({type(e).__name__}: {e})"
+                ) from None
+    try:
+        return validate(fields)
+    except ValueError as e:
+        raise ValueError(f"trace {str(p)!r}: {str(e).removeprefix('trace ')}") from None
 
 
 # --------------------------------------------------------------------------- synthetic traces
@@ -192,11 +259,17 @@ class SyntheticTrace:
             raise ValueError(
                 f"unknown synthetic trace {self.kind!r}; expected one of {list(SYNTHETIC_KINDS)}"
             )
-        for f in ("steps", "num_layers", "block_size"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"synthetic trace {f} must be >= 1, got {getattr(self, f)}")
-        if self.prompt_len < 0:
-            raise ValueError(f"synthetic trace prompt_len must be >= 0, got {self.prompt_len}")
+        for f, low in (("steps", 1), ("num_layers", 1), ("block_size", 1), ("prompt_len", 0)):
+            v = getattr(self, f)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < low:
+                raise ValueError(f"synthetic trace {f} must be an integer >= {low}, got {v!r}")
+        if self.prompt_len + self.steps > MAX_POSITION:
+            raise ValueError(
+                f"synthetic trace prompt_len + steps = {self.prompt_len} + {self.steps} passes "
+                f"{MAX_POSITION} (positions are int32): expected at most that"
+            )
+        if not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"synthetic trace seed must lie in [0, 2**32), got {self.seed}")
 
     @property
     def name(self) -> str:

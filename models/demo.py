@@ -18,10 +18,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxkv.config import CacheConfig, PlacementConfig
+from jaxkv.config import PROFILES, CacheConfig, PlacementConfig, check_number
 from jaxkv.decode import Decoder, summarize
-from jaxkv.policies import POLICIES, split_name
 from models.default import default_model
+from models.generate import check_live_policy
 
 DEFAULT_POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow")
 
@@ -47,6 +47,36 @@ def encode_prompt(model, tokenizer, n_tokens: int) -> np.ndarray:
     return ids[:n_tokens]
 
 
+def check_demo_args(values: dict, label=lambda name: name) -> None:
+    """Checks `run_demo`'s arguments (name -> value) before the model loads; errors name each
+    by `label(name)` (the CLI passes its option names)."""
+    check_number(label("prompt_len"), values["prompt_len"], integer=True, low=1)
+    try:
+        check_number(label("new_tokens"), values["new_tokens"], integer=True, low=3)
+    except ValueError as e:
+        raise ValueError(
+            f"{e} (one sampled at prefill, one warm-up step that compiles, at least one timed step)"
+        ) from None
+    check_number(label("hbm_fraction"), values["hbm_fraction"], low=0.0, high=1.0, low_open=True)
+    policies = values["policies"]
+    if isinstance(policies, str) or not policies:
+        raise ValueError(
+            f"{label('policies')}={policies!r}: expected one or more policy names, e.g. "
+            f"{','.join(DEFAULT_POLICIES)}"
+        )
+    for p in policies:
+        check_live_policy(p, label("policies"))
+    check_number(label("window"), values["window"], integer=True, low=1)
+    check_number(label("block_size"), values["block_size"], integer=True, low=1)
+    if values["attention"] not in ("exact", "sparse"):
+        raise ValueError(f"{label('attention')}={values['attention']!r}: expected exact or sparse")
+    if values["profile"] not in PROFILES:
+        raise ValueError(
+            f"{label('profile')}={values['profile']!r}: unknown hardware profile; expected one "
+            f"of {sorted(PROFILES)}"
+        )
+
+
 def run_demo(
     *,
     prompt_len: int = 1024,
@@ -59,26 +89,22 @@ def run_demo(
     profile: str = "gh200",
     progress: bool = True,
 ) -> dict:
-    """Decodes the same prompt with an all-HBM cache and with each policy; returns a summary."""
+    """Decodes the same prompt with an all-HBM cache and with each policy; returns a summary.
+    Arguments are checked before the model loads (ValueError naming the argument)."""
     from tqdm.auto import tqdm
 
-    unknown = [p for p in policies if p.split("+")[0] not in POLICIES]
-    if unknown:
-        raise ValueError(
-            f"unknown policies {unknown}; expected names from {sorted(POLICIES)}, anneal with "
-            "+reuse, +follow, +aw, +ec"
+    check_demo_args(
+        dict(
+            prompt_len=prompt_len,
+            new_tokens=new_tokens,
+            hbm_fraction=hbm_fraction,
+            policies=policies,
+            window=window,
+            block_size=block_size,
+            attention=attention,
+            profile=profile,
         )
-    for p in policies:
-        split_name(p)  # a bad modifier: the error names the valid ones
-    if not isinstance(new_tokens, int) or new_tokens < 3:
-        raise ValueError(
-            f"new_tokens={new_tokens!r}: expected >= 3 (one sampled at prefill, one warm-up "
-            "step that compiles, at least one timed step)"
-        )
-    if not isinstance(prompt_len, int) or prompt_len < 1:
-        raise ValueError(f"prompt_len={prompt_len!r}: expected an int >= 1")
-    if not 0.0 < hbm_fraction <= 1.0:
-        raise ValueError(f"hbm_fraction={hbm_fraction!r}: expected a fraction in (0, 1]")
+    )
     model, tokenizer = default_model()
     mc = model.config
     if prompt_len + new_tokens > mc.max_seq_len:
@@ -91,44 +117,44 @@ def run_demo(
     runs = [("all-hbm", 1.0, "static")] + [(p, hbm_fraction, p) for p in policies]
     chunk = min(16, (new_tokens - 1) // 2)  # the first chunk compiles; the rest is timed
     results, tokens = {}, {}
-    bar = tqdm(
+    # a failure closes the bar first, so its message gets a line of its own
+    with tqdm(
         total=len(runs) * (new_tokens - 1),
         desc="decoding",
         disable=not progress,
         unit="tok",
         file=sys.stderr,
-    )
-    for name, frac, policy in runs:
-        cfg = CacheConfig.for_model(
-            mc,
-            batch=1,
-            max_len=prompt_len + new_tokens,
-            block_size=block_size,
-            hbm_capacity=frac,
-        )
-        placement = PlacementConfig(policy=policy, window=window, attention=attention)
-        dec = Decoder(model, cfg, placement, max_new_tokens=new_tokens, profile=profile)
-        bar.set_postfix_str(name)
-        state = dec.prefill(params, prompt)
-        state = dec.generate(params, state, until=chunk)  # compiles; not timed
-        jax.block_until_ready(state)
-        bar.update(int(state.step))
-        t0, s0 = time.perf_counter(), int(state.step)
-        while int(state.step) < new_tokens - 1:
-            before = int(state.step)
-            state = dec.generate(params, state, until=before + chunk)
+    ) as bar:
+        for name, frac, policy in runs:
+            cfg = CacheConfig.for_model(
+                mc,
+                batch=1,
+                max_len=prompt_len + new_tokens,
+                block_size=block_size,
+                hbm_capacity=frac,
+            )
+            placement = PlacementConfig(policy=policy, window=window, attention=attention)
+            dec = Decoder(model, cfg, placement, max_new_tokens=new_tokens, profile=profile)
+            bar.set_postfix_str(name)
+            state = dec.prefill(params, prompt)
+            state = dec.generate(params, state, until=chunk)  # compiles; not timed
             jax.block_until_ready(state)
-            bar.update(int(state.step) - before)
-        wall = time.perf_counter() - t0
-        n = int(state.step) - s0
-        plan_s = dec.plan_seconds(params, state)
-        summary = summarize(state, plan_seconds=plan_s, step_seconds=wall / n if n else None)
-        summary["wall_tokens_per_s"] = n / wall if wall > 0 and n else float("nan")
-        summary["hbm_blocks"] = cfg.hbm_blocks
-        summary["total_blocks"] = cfg.total_blocks
-        results[name] = summary
-        tokens[name] = np.asarray(state.tokens)
-    bar.close()
+            bar.update(int(state.step))
+            t0, s0 = time.perf_counter(), int(state.step)
+            while int(state.step) < new_tokens - 1:
+                before = int(state.step)
+                state = dec.generate(params, state, until=before + chunk)
+                jax.block_until_ready(state)
+                bar.update(int(state.step) - before)
+            wall = time.perf_counter() - t0
+            n = int(state.step) - s0
+            plan_s = dec.plan_seconds(params, state)
+            summary = summarize(state, plan_seconds=plan_s, step_seconds=wall / n if n else None)
+            summary["wall_tokens_per_s"] = n / wall if wall > 0 and n else float("nan")
+            summary["hbm_blocks"] = cfg.hbm_blocks
+            summary["total_blocks"] = cfg.total_blocks
+            results[name] = summary
+            tokens[name] = np.asarray(state.tokens)
     ref = tokens["all-hbm"]
     lossless = all(np.array_equal(t, ref) for t in tokens.values())
     return {
@@ -208,7 +234,14 @@ def format_table(report: dict) -> str:
 
 
 def _cmd(args) -> int:
-    policies = tuple(p for p in args.policies.split(",") if p)
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    if not policies:
+        raise ValueError(
+            f"--policies={args.policies!r}: expected comma-separated policy names, e.g. "
+            f"{','.join(DEFAULT_POLICIES)}"
+        )
+    values = vars(args) | dict(policies=policies, block_size=16)
+    check_demo_args(values, label=lambda name: "--" + name.replace("_", "-"))
     report = run_demo(
         prompt_len=args.prompt_len,
         new_tokens=args.new_tokens,

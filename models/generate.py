@@ -5,25 +5,88 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 from flax import nnx
 
-from jaxkv.config import CacheConfig, PlacementConfig
+from jaxkv.config import CacheConfig, PlacementConfig, check_number
 from jaxkv.decode import Decoder, Greedy, Sampling, summarize
+from jaxkv.policies import POLICIES, modifier_kwargs, split_name
 from models.default import default_model
 from models.hf import load_pretrained, load_tokenizer
 
+LIVE_EXAMPLE = "anneal+reuse+follow"  # the decode loop's best live policy
+
+
+def live_policies() -> list[str]:
+    """The base policy names the decode loop can run: those that need no future knowledge."""
+    return [n for n in POLICIES if n != "unlimited" and not _needs_future(POLICIES[n]())]
+
+
+def _needs_future(policy) -> bool:
+    return bool(getattr(policy, "needs_forecast", False) or getattr(policy, "needs_values", False))
+
+
+def check_live_policy(name: str, label: str = "policy") -> None:
+    """Raises ValueError `"{label}={name!r}: ..."` unless the decode loop (`jaxkv.decode`) can
+    run policy `name`: no oracle, no bound, no +now; the message lists what it can run."""
+    live = (
+        f"expected an online policy: one of {live_policies()}, anneal also with +reuse, "
+        f"+follow, +aw, +ec (e.g. {LIVE_EXAMPLE!r})"
+    )
+    base, *mods = str(name).split("+")
+    if "now" in mods:
+        use = name.replace("+now", "+follow") if base == "anneal" else LIVE_EXAMPLE
+        raise ValueError(
+            f"{label}={name!r}: +now plans with the step's own read set, which the decode loop "
+            "does not have (it plans between steps); +follow plans a target between steps and "
+            f"follows it inside every step: use e.g. {use!r}"
+        )
+    if base not in POLICIES:
+        raise ValueError(f"{label}={name!r}: unknown policy {base!r}; {live}")
+    try:
+        base, mods = split_name(name)
+    except ValueError as e:
+        raise ValueError(f"{label}={name!r}: {e}; {live}") from None
+    if base == "unlimited":
+        raise ValueError(
+            f"{label}={name!r}: the Unlimited-HBM bound, not a placement (`jaxkv simulate` "
+            f"reports it); {live}"
+        )
+    if _needs_future(POLICIES[base](**(modifier_kwargs(mods) if mods else {}))):
+        raise ValueError(
+            f"{label}={name!r}: plans from perfect knowledge of future reads, which a live decode "
+            f"does not have (use it in `jaxkv simulate`); {live}"
+        )
+
+
+def check_model_spec(spec: str, label: str = "model") -> None:
+    """`spec` is "default" or an existing folder (whose files `load_model` checks)."""
+    if spec != "default" and not Path(spec).is_dir():
+        what = "a file" if Path(spec).exists() else "not found"
+        raise ValueError(
+            f"{label}={spec!r}: {what}; expected 'default' or a local Hugging Face checkpoint "
+            "folder (config.json, model.safetensors, optional tokenizer.json)"
+        )
+
 
 def load_model(spec: str):
-    """(model, tokenizer or None) for "default" or a local Hugging Face checkpoint folder."""
+    """(model, tokenizer or None) for "default" or a local Hugging Face checkpoint folder; a
+    folder without tokenizer.json decodes bytes, an unreadable tokenizer.json is a ValueError."""
     if spec == "default":
         return default_model()
+    check_model_spec(spec)
     tokenizer = None
-    try:
-        tokenizer = load_tokenizer(spec)
-    except ValueError:
-        pass  # a checkpoint without tokenizer.json: fall back to bytes
+    file = Path(spec) / "tokenizer.json"
+    if file.is_file():
+        try:
+            tokenizer = load_tokenizer(spec)
+        except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception
+            raise ValueError(
+                f"{file}: not a readable tokenizer ({type(e).__name__}: {e}); expected a "
+                "Hugging Face tokenizers file, or none (the model then reads bytes)"
+            ) from None
     return load_pretrained(spec), tokenizer
 
 
@@ -56,11 +119,25 @@ def generate_text(
     policy: str = "lru",
     seed: int = 0,
 ) -> tuple[str, dict]:
-    """Generates a continuation; returns (text, decode summary)."""
+    """Generates a continuation; returns (text, decode summary). Arguments are checked before
+    the model loads (ValueError naming the argument)."""
     import jax
 
     if not prompt:
         raise ValueError("prompt is empty: expected at least one character")
+    _check_request(
+        dict(
+            model=model_spec,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            hbm_fraction=hbm_fraction,
+            policy=policy,
+            seed=seed,
+        ),
+        label=lambda name: name,
+    )
     model, tokenizer = load_model(model_spec)
     mc = model.config
     ids = encode(tokenizer, prompt, mc.vocab_size)
@@ -99,7 +176,49 @@ def generate_text(
     return decode_text(tokenizer, np.asarray(state.tokens[0, :n])), summarize(state)
 
 
+# the arguments `_check_request` checks (`generate_text`'s, model_spec as "model")
+_REQUEST = (
+    "model",
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "hbm_fraction",
+    "policy",
+    "seed",
+)
+
+
+def _check_request(values: dict, label) -> None:
+    """Checks `generate_text`'s arguments (name -> value); errors name each by `label(name)`."""
+    check_model_spec(values["model"], label("model"))
+    check_number(label("max_new_tokens"), values["max_new_tokens"], integer=True, low=1)
+    check_number(label("temperature"), values["temperature"], low=0.0)
+    if values["top_k"] is not None:
+        check_number(label("top_k"), values["top_k"], integer=True, low=1)
+    if values["top_p"] is not None:
+        check_number(label("top_p"), values["top_p"], low=0.0, high=1.0, low_open=True)
+    if values["temperature"] == 0:
+        given = [label(k) for k in ("top_k", "top_p") if values[k] is not None]
+        if given:
+            one = len(given) == 1
+            raise ValueError(
+                f"{' and '.join(given)} truncate{'s' if one else ''} sampling, but "
+                f"{label('temperature')}=0 decodes greedily: expected {label('temperature')} > 0 "
+                f"with {'it' if one else 'them'}, or {'no' if one else 'neither'} "
+                f"{given[0] if one else 'of them'}"
+            )
+    check_number(label("hbm_fraction"), values["hbm_fraction"], low=0.0, high=1.0, low_open=True)
+    check_live_policy(values["policy"], label("policy"))
+    check_number(label("seed"), values["seed"], integer=True, low=0, high=2**32 - 1)
+
+
 def _cmd(args) -> int:
+    _check_request(
+        {k: getattr(args, k) for k in _REQUEST}, label=lambda k: "--" + k.replace("_", "-")
+    )
+    if not args.prompt:
+        raise ValueError("--prompt is empty: expected at least one character")
     text, summary = generate_text(
         args.prompt,
         model_spec=args.model,

@@ -22,9 +22,9 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import trace as kvtrace
-from jaxkv.config import CacheConfig, PlacementConfig
+from jaxkv.config import CacheConfig, PlacementConfig, check_number
 from jaxkv.decode import Decoder
-from models.generate import encode, load_model
+from models.generate import check_model_spec, encode, load_model
 
 
 def record_trace(
@@ -121,10 +121,48 @@ def save_atomic(path: str | os.PathLike, trace: kvtrace.FileTrace) -> None:
             os.unlink(tmp)
 
 
-def _cmd(args) -> int:
+def check_writable(path: str | os.PathLike, label: str = "out") -> None:
+    """Raises ValueError unless a file can be written at `path` (its folder existing or
+    creatable, writable, and `path` itself not a folder), without creating anything."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{label}={str(path)!r}: is a directory, expected a file path")
+    folder = path.absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(
+            f"{label}={str(path)!r}: {str(folder)!r} is a file, so no folder can be made there"
+        )
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{label}={str(path)!r}: the folder {str(folder)!r} is not writable")
+    if folder == path.absolute().parent:  # os.access misses read-only mounts: try for real
+        try:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as e:
+            raise ValueError(
+                f"{label}={str(path)!r}: cannot write in {str(folder)!r} ({e.strerror})"
+            ) from None
+
+
+def _check_args(args) -> Path:
+    """Checks every option of `jaxkv trace` before the model loads; returns the prompt file."""
     text_path = Path(args.prompt_file)
     if not text_path.is_file():
-        raise ValueError(f"--prompt-file {str(text_path)!r}: file not found")
+        what = "is a directory" if text_path.is_dir() else "file not found"
+        raise ValueError(f"--prompt-file {str(text_path)!r}: {what}")
+    check_model_spec(args.model, "--model")
+    check_number("--prompt-tokens", args.prompt_tokens, integer=True, low=0)
+    check_number("--steps", args.steps, integer=True, low=1)
+    check_number("--sparsity", args.sparsity, low=0.0, high=1.0, high_open=True)
+    check_number("--block-size", args.block_size, integer=True, low=1)
+    check_writable(args.out, "--out")
+    return text_path
+
+
+def _cmd(args) -> int:
+    text_path = _check_args(args)
     model, tokenizer = load_model(args.model)
     ids = encode(tokenizer, text_path.read_text(errors="replace"), model.config.vocab_size)
     if args.prompt_tokens:
@@ -149,7 +187,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="record an attention trace while decoding")
     p.add_argument("--model", default="default", help="'default' or a local HF checkpoint folder")
     p.add_argument("--prompt-file", required=True)
-    p.add_argument("--prompt-tokens", type=int, default=0, help="truncate the prompt (0 = all)")
+    p.add_argument(
+        "--prompt-tokens", type=int, default=0, help="truncate the prompt to its first N (0 = all)"
+    )
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--sparsity", type=float, default=0.0)
     p.add_argument("--block-size", type=int, default=16)

@@ -26,6 +26,7 @@ _DTYPES = {
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
+_LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # a git-lfs pointer file's first line
 
 
 class SafetensorsFile:
@@ -40,8 +41,21 @@ class SafetensorsFile:
                 "8-byte header length"
             )
         with open(self.path, "rb") as f:
+            head = f.read(64)
+            f.seek(0)
             (n,) = struct.unpack("<Q", f.read(8))
-            if n > _MAX_HEADER or 8 + n > size:
+            if head.startswith(_LFS_POINTER):
+                raise ValueError(
+                    f"{self.path}: a git-lfs pointer ({size} bytes), not the safetensors weights: "
+                    "fetch them with `git lfs pull` in the checkout"
+                )
+            if n > _MAX_HEADER or (8 + n > size and head[8:9] != b"{"):
+                raise ValueError(
+                    f"{self.path}: not a safetensors file: expected an 8-byte header length and "
+                    f"a JSON header, got a header length of {n:,} bytes in a file of {size:,} "
+                    f"bytes, starting {head[:16]!r}"
+                )
+            if 8 + n > size:
                 raise ValueError(
                     f"{self.path}: truncated or corrupt safetensors file: header length {n} "
                     f"bytes but the file has {size} bytes"
@@ -51,18 +65,34 @@ class SafetensorsFile:
             header = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{self.path}: corrupt safetensors header ({e})") from None
+        if not isinstance(header, dict):
+            raise ValueError(
+                f"{self.path}: corrupt safetensors header: a JSON {type(header).__name__}, "
+                "expected an object of tensor entries"
+            )
         header.pop("__metadata__", None)
         self._data_start = 8 + n
         self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
         for name, meta in header.items():
+            if not isinstance(meta, dict):
+                raise ValueError(
+                    f"{self.path}: tensor {name!r} has header entry {meta!r}: expected an "
+                    "object with dtype, shape and data_offsets"
+                )
             dtype = _DTYPES.get(meta.get("dtype"))
             if dtype is None:
                 raise ValueError(
                     f"{self.path}: tensor {name!r} has dtype {meta.get('dtype')!r}: expected "
                     f"one of {sorted(_DTYPES)}"
                 )
-            shape = tuple(int(d) for d in meta["shape"])
-            begin, end = (int(o) for o in meta["data_offsets"])
+            try:
+                shape = tuple(int(d) for d in meta["shape"])
+                begin, end = (int(o) for o in meta["data_offsets"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(
+                    f"{self.path}: tensor {name!r} has a bad shape or data_offsets in its header "
+                    f"entry {meta!r} ({type(e).__name__}: {e})"
+                ) from None
             if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
                 raise ValueError(
                     f"{self.path}: tensor {name!r} byte range [{begin}, {end}) does not hold "

@@ -1,6 +1,13 @@
+import numpy as np
 import pytest
 
-from jaxkv.config import AnnealConfig, CacheConfig, HardwareProfile, PlacementConfig
+from jaxkv.config import (
+    AnnealConfig,
+    CacheConfig,
+    HardwareProfile,
+    PlacementConfig,
+    check_number,
+)
 
 GEOM = dict(num_layers=2, kv_heads=2, head_dim=8)
 
@@ -87,3 +94,33 @@ def test_for_model_takes_geometry_and_dtype():
     c = CacheConfig.for_model(mc, max_len=128, hbm_capacity=0.5)
     assert (c.num_layers, c.kv_heads, c.head_dim, c.dtype) == (2, 2, 16, "bfloat16")
     assert c.max_len == 128 and c.hbm_blocks == 4
+
+
+def test_check_number_messages():
+    with pytest.raises(ValueError, match=r"^--w=0: expected an integer >= 1$"):
+        check_number("--w", 0, integer=True, low=1)
+    with pytest.raises(ValueError, match=r"^x=nan: expected a finite number in \(0, 1\]$"):
+        check_number("x", float("nan"), low=0.0, high=1.0, low_open=True)
+    with pytest.raises(ValueError, match=r"^x=True: expected a finite number >= 0$"):
+        check_number("x", True, low=0.0)
+    with pytest.raises(ValueError, match=r"^x=2.5: expected an integer <= 3$"):
+        check_number("x", 2.5, integer=True, high=3)
+    check_number("x", np.float32(0.5), low=0.0, high=1.0, high_open=True)
+    check_number("x", np.int64(3), integer=True, low=0)
+
+
+def test_error_anneal_config_non_finite():
+    with pytest.raises(ValueError, match=r"t0_fraction=inf: expected a finite number > 0"):
+        AnnealConfig(t0_fraction=float("inf"))
+    with pytest.raises(ValueError, match=r"min_improvement=nan: expected a finite number >= 0"):
+        AnnealConfig(min_improvement=float("nan"))
+    with pytest.raises(ValueError, match=r"move_prob=1.5: expected a finite number in \[0, 1\]"):
+        AnnealConfig(move_prob=1.5)
+
+
+def test_error_placement_window_controls():
+    with pytest.raises(ValueError, match=r"window_step must be an integer >= 1, got 0"):
+        PlacementConfig(window_step=0)
+    with pytest.raises(ValueError, match=r"min_window must be an integer >= 1, got 1.5"):
+        PlacementConfig(min_window=1.5)
+    assert PlacementConfig(attention="sparse", topk=np.float32(0.5)).topk == 0.5

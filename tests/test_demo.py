@@ -1,5 +1,8 @@
 import json
 
+import pytest
+
+import models.demo as demo
 from jaxkv import cli
 
 
@@ -82,7 +85,7 @@ def test_demo_table_is_readable(capsys):
 def test_demo_unknown_policy_is_a_clear_error(capsys):
     rc = cli.main(["demo", "--policies", "static,nope", "--prompt-len", "64"])
     assert rc == 2
-    assert "unknown policies ['nope']" in capsys.readouterr().err
+    assert "--policies='nope': unknown policy 'nope'" in capsys.readouterr().err
 
 
 def test_generate_cli_continues_the_prompt(capsys):
@@ -109,6 +112,30 @@ def test_demo_short_runs_and_bad_lengths(capsys):
     assert rc == 0 and report["lossless"] is True
     assert all(r["wall_tokens_per_s"] > 0 for r in report["policies"].values())
     assert cli.main(["demo", "--new-tokens", "2"]) == 2
-    assert "new_tokens=2: expected >= 3" in capsys.readouterr().err
+    assert "--new-tokens=2: expected an integer >= 3" in capsys.readouterr().err
     assert cli.main(["demo", "--prompt-len", "100000", "--new-tokens", "8"]) == 2
     assert "exceeds the default model's context" in capsys.readouterr().err
+
+
+def test_run_demo_checks_arguments_before_loading(monkeypatch):
+    monkeypatch.setattr(demo, "default_model", lambda: pytest.fail("loaded the model"))
+    with pytest.raises(ValueError, match=r"hbm_fraction=1.5: expected a finite number in \(0, 1\]"):
+        demo.run_demo(hbm_fraction=1.5)
+    with pytest.raises(ValueError, match=r"policies='unlimited': the Unlimited-HBM bound"):
+        demo.run_demo(policies=("unlimited",))
+    with pytest.raises(ValueError, match=r"policies=\(\): expected one or more policy names"):
+        demo.run_demo(policies=())
+
+
+def test_demo_failure_mid_run_gets_its_own_line(capsys, monkeypatch, tiny):
+    """An error raised while the progress bar is open is printed after the bar's line ends."""
+
+    def boom(*args, **kwargs):
+        raise ValueError("boom")
+
+    monkeypatch.setattr(demo, "default_model", lambda: (tiny[0], None))
+    monkeypatch.setattr(demo, "Decoder", boom)
+    rc = cli.main(["demo", "--prompt-len", "16", "--new-tokens", "3", "--policies", "static"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "decoding" in err and "\njaxkv demo: error: boom\n" in err

@@ -3,7 +3,7 @@ import pytest
 
 from jaxkv import cli
 from jaxkv import trace as kvtrace
-from models.record import record_trace, save_atomic
+from models.record import check_writable, record_trace, save_atomic
 
 
 def test_exact_trace_covers_context_and_mass_sums_to_one(tiny, tmp_path):
@@ -44,3 +44,11 @@ def test_cli_missing_prompt_file(capsys, tmp_path):
     assert rc == 2
     assert "nope.txt': file not found" in capsys.readouterr().err
     assert not (tmp_path / "x.npz").exists()
+
+
+def test_check_writable_creates_nothing(tmp_path):
+    check_writable(tmp_path / "a" / "b" / "t.npz")  # folders still to make: fine
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match=r"out='.*t.npz': is a directory, expected a file path"):
+        (tmp_path / "t.npz").mkdir()
+        check_writable(tmp_path / "t.npz")

@@ -1,8 +1,10 @@
 """Simulator: hand-computed latencies, no policy beats unlimited, the CLI."""
 
+import dataclasses
 import inspect
 import json
 import math
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -599,3 +601,43 @@ def test_paper_shape_at_60_percent(kind, block_size):
     )["policies"]
     lat = [res[n]["latency_s"] for n in ["static", "lru", "page", "paper-sa", "unlimited"]]
     assert lat[0] > lat[1] > lat[2] > lat[3] >= lat[4], lat
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(discount=float("nan")), "discount=nan: expected a finite number in (0, 1]"),
+        (dict(demote_cost=-1.0), "demote_cost=-1.0: expected a finite number >= 0"),
+        (dict(interval=0), "interval=0: expected an integer >= 1"),
+        (dict(window=0), "window=0: expected an integer >= 1"),
+        (dict(steps=0), "steps=0: expected an integer >= 1"),
+        (dict(seed=-1), "seed=-1: expected an integer in [0, 4294967295]"),
+        (dict(hbm_budget=float("inf")), "hbm_budget=inf: expected a finite number > 0"),
+        (dict(ride=float("nan")), "ride=nan: expected a finite number in [0, 1]"),
+    ],
+)
+def test_library_arguments_checked_like_the_cli(kw, message):
+    """discount nan annealed and migrated nothing; demote_cost < 0 was a negative cost."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run(["static"], **kw)
+
+
+def test_policies_must_be_a_nonempty_list():
+    with pytest.raises(ValueError, match=r"policies=\[\]: expected a non-empty list"):
+        run([])
+    with pytest.raises(ValueError, match=r"policies='static': expected a non-empty list"):
+        run("static")
+
+
+def test_budget_below_one_block_is_named():
+    geo = cost.Geometry("t", 1, 1, 1, 2, 10.0, 0.0)
+    with pytest.raises(ValueError, match="leaves no room after the .* for one block"):
+        sim.pool_capacity(tiny_trace(), geo, hbm_budget=geo.param_bytes + 1.0)
+
+
+def test_memory_check_names_both_figures(monkeypatch):
+    setup = sim.Setup(0, 16, 32, 10**8, 10, 4, 0.0, PROF)
+    monkeypatch.setattr(sim, "available_memory", lambda: 8 * 10**9)
+    with pytest.raises(ValueError, match=r"needs at least 4,729\.6 GB .* has 8\.0 GB"):
+        sim.check_memory(setup, 100, 1, 2)
+    sim.check_memory(dataclasses.replace(setup, num_blocks=100), 100, 1, 2)  # fits

@@ -171,3 +171,59 @@ def test_synthetic_token_reads_cluster_in_passages():
     r = np.asarray(tr.read_mask(t.mass(0, 1), t.prompt_len, 1, 0.6, 0))[0]  # [layers, N]
     both = (r[:, :-1] & r[:, 1:]).sum() / r[:, :-1].sum()
     assert both > 0.6, both
+
+
+def test_scalar_field_given_as_array():
+    with pytest.raises(ValueError, match=r"field 'prompt_len' has shape \(2,\), expected a scalar"):
+        tr.validate(fields(prompt_len=np.array([2, 3])))
+
+
+def test_scalar_field_not_an_integer():
+    with pytest.raises(ValueError, match=r"'prompt_len' is 40.7 of dtype float64, expected an int"):
+        tr.validate(fields(prompt_len=np.float64(40.7)))
+    with pytest.raises(ValueError, match=r"'version' is 'one' of dtype <U3, expected an integer"):
+        tr.validate(fields(version=np.str_("one")))
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.str_, np.object_])
+def test_mass_not_real(dtype):
+    mass = fields()["mass"].astype(dtype)
+    with pytest.raises(ValueError, match=r"field 'mass' has dtype .*, expected a real floating"):
+        tr.validate(fields(mass=mass))
+
+
+def test_name_not_a_string():
+    with pytest.raises(ValueError, match=r"field 'name' has dtype int64 and shape \(\), expected"):
+        tr.validate(fields(name=np.int64(3)))
+
+
+def test_positions_past_int32():
+    with pytest.raises(ValueError, match=r"'prompt_len' is 2147483647: with 2 steps the positions"):
+        tr.validate(fields(prompt_len=np.int64(2**31 - 1)))
+    with pytest.raises(ValueError, match=r"prompt_len \+ steps = 2147483647 \+ 2 passes"):
+        tr.SyntheticTrace("recency-low", prompt_len=2**31 - 1, steps=2)
+
+
+def test_synthetic_sizes_and_seed():
+    with pytest.raises(ValueError, match=r"synthetic trace prompt_len must be an integer >= 0"):
+        tr.SyntheticTrace("recency-low", prompt_len=40.5)
+    with pytest.raises(ValueError, match=r"trace seed must lie in \[0, 2\*\*32\), got -1"):
+        tr.SyntheticTrace("recency-low", seed=-1)
+
+
+def test_load_corrupt_member(tmp_path):
+    """A damaged field inside an intact archive is named (it was zipfile's BadZipFile)."""
+    path = tmp_path / "t.npz"
+    np.savez(path, **fields(mass=np.full((2, 1, 3), 0.123, np.float32)))
+    data = bytearray(path.read_bytes())
+    at = bytes(data).index(np.float32(0.123).tobytes())
+    data[at : at + 4] = np.float32(0.5).tobytes()  # the CRC no longer matches
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"field 'mass' is unreadable, the file is truncated or"):
+        tr.load(path)
+
+
+def test_load_not_an_archive(tmp_path):
+    (tmp_path / "t.npz").write_text("hello")
+    with pytest.raises(ValueError, match=r"t.npz': not a readable .npz archive \("):
+        tr.load(tmp_path / "t.npz")
