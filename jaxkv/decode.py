@@ -77,10 +77,11 @@ class Sampling:
     top_p: float | None = None
 
     def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k!r}")
+        if not 0 < self.temperature < math.inf:
+            raise ValueError(f"temperature must be finite and > 0, got {self.temperature!r}")
+        k = self.top_k
+        if k is not None and (not isinstance(k, int | np.integer) or isinstance(k, bool) or k < 1):
+            raise ValueError(f"top_k must be an int >= 1 or None, got {k!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1] or be None, got {self.top_p!r}")
 
@@ -338,6 +339,12 @@ class Decoder:
                 "block selection and its read; the decode loop plans between steps and follows "
                 "the plan inside the step instead: use "
                 f"{p.policy.replace('+now', '+follow')!r}"
+            )
+        if base == "unlimited":
+            raise ValueError(
+                f"policy {p.policy!r} is the Unlimited-HBM bound (every block in HBM), not a "
+                "placement: use hbm_capacity=1.0 for an all-HBM decode, or an online policy "
+                "(e.g. 'lru', 'anneal' or 'anneal+reuse+follow')"
             )
         cls = POLICIES[base]
         known = (

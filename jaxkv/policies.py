@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxkv import anneal
 from jaxkv import importance as imp
 from jaxkv._pytree import pytree_dataclass, static_field
-from jaxkv.config import PROFILES, AnnealConfig, HardwareProfile
+from jaxkv.config import PROFILES, AnnealConfig, HardwareProfile, check_number
 
 
 @pytree_dataclass
@@ -458,6 +458,10 @@ class Anneal:
     def __post_init__(self):
         if self.forecast not in FORECASTS:
             raise ValueError(f"Anneal forecast must be one of {FORECASTS}, got {self.forecast!r}")
+        check_number("Anneal window", self.window, integer=True, low=1)
+        check_number("Anneal interval", self.interval, integer=True, low=0)
+        check_number("Anneal discount", self.discount, low=0.0, high=1.0, low_open=True)
+        check_number("Anneal demote_cost", self.demote_cost, low=0.0)
         if not 0.0 <= self.link_reserve < 1.0:
             raise ValueError(f"Anneal link_reserve must lie in [0, 1), got {self.link_reserve!r}")
         if not 0.0 <= self.ride <= 1.0:
@@ -793,7 +797,7 @@ class Anneal:
 @dataclasses.dataclass(frozen=True)
 class Unlimited:
     """The Unlimited-HBM bound. It is not a placement: `jaxkv.simulate` computes it with
-    `jaxkv.cost.unlimited_step_time`; planning with it raises ValueError (use anneal-oracle)."""
+    `jaxkv.cost.unlimited_step_time`; planning with it raises ValueError."""
 
     name: str = "unlimited"
     needs_forecast: bool = False
@@ -804,7 +808,8 @@ class Unlimited:
     def plan(self, state, obs: Observation):
         raise ValueError(
             "policy 'unlimited' is a bound computed by jaxkv.cost.unlimited_step_time, not a "
-            "placement; expected a placing policy such as 'anneal-oracle' in the decode loop"
+            "placement: expected a placing policy, e.g. 'anneal+reuse+follow' in the decode "
+            "loop (the simulator reports unlimited as a bound)"
         )
 
 
@@ -854,8 +859,9 @@ def split_name(name: str) -> tuple[str, tuple[str, ...]]:
         )
     if mods and base not in ("anneal", "anneal-oracle"):
         raise ValueError(
-            f"policy {name!r}: modifiers +aw/+ec apply to anneal and anneal-oracle "
-            f"only, not {base!r}"
+            f"policy {name!r}: modifiers (+{', +'.join(mods)}) apply to anneal and "
+            f"anneal-oracle only, not {base!r} (anneal / anneal-oracle take +aw, +ec; anneal "
+            "also +reuse, +now, +follow; anneal-oracle +visits, +dual)"
         )
     bad = [m for m in mods if m not in MODIFIERS]
     if bad:

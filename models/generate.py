@@ -80,13 +80,7 @@ def load_model(spec: str):
     tokenizer = None
     file = Path(spec) / "tokenizer.json"
     if file.is_file():
-        try:
-            tokenizer = load_tokenizer(spec)
-        except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception
-            raise ValueError(
-                f"{file}: not a readable tokenizer ({type(e).__name__}: {e}); expected a "
-                "Hugging Face tokenizers file, or none (the model then reads bytes)"
-            ) from None
+        tokenizer = load_tokenizer(spec)  # ValueError on a corrupt file
     return load_pretrained(spec), tokenizer
 
 

@@ -307,7 +307,13 @@ def load_tokenizer(path: str | os.PathLike):
     file = Path(path) / "tokenizer.json"
     if not file.is_file():
         raise ValueError(f"{file}: file not found (expected a tokenizer.json)")
-    return Tokenizer.from_file(str(file))
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception on a corrupt file
+        raise ValueError(
+            f"{file}: not a readable tokenizer ({type(e).__name__}: {e}); expected a Hugging "
+            "Face tokenizers file, or none (the model then reads bytes)"
+        ) from None
 
 
 def eos_token_ids(path: str | os.PathLike) -> tuple[int, ...]:

@@ -69,7 +69,7 @@ def error(capsys, argv) -> str:
         ("--profile", "tpu", "--profile='tpu': unknown hardware profile 'tpu'"),
         ("--geometry", "gpt", "--geometry='gpt': unknown geometry 'gpt'"),
         ("--policies", ",", "--policies=',': expected comma-separated policy names"),
-        ("--policies", "lru+aw", "--policies: policy 'lru+aw': modifiers +aw/+ec apply to"),
+        ("--policies", "lru+aw", "--policies: policy 'lru+aw': modifiers (+aw) apply to"),
         ("--trace", "synthetic:zipf", "--trace='synthetic:zipf': unknown synthetic trace 'zipf'"),
     ],
 )

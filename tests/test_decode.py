@@ -476,8 +476,19 @@ def test_step_past_max_new_tokens(tiny):
 
 
 def test_error_sampling_temperature():
-    with pytest.raises(ValueError, match=r"temperature must be > 0, got 0"):
+    with pytest.raises(ValueError, match=r"temperature must be finite and > 0, got 0"):
         Sampling(temperature=0)
+    with pytest.raises(ValueError, match=r"temperature must be finite and > 0, got inf"):
+        Sampling(temperature=float("inf"))
+    with pytest.raises(ValueError, match=r"top_k must be an int >= 1 or None, got 2.5"):
+        Sampling(top_k=2.5)
+
+
+def test_error_unlimited_in_live_decode(tiny):
+    """unlimited is a bound: refused when the Decoder is built (it failed at the first plan)."""
+    model, _ = tiny
+    with pytest.raises(ValueError, match=r"'unlimited' is the Unlimited-HBM bound .* use "):
+        Decoder(model, _cfg(model, hbm=0.5), PlacementConfig(policy="unlimited"))
 
 
 def _pallas_run(impl, host_memory_kind):

@@ -1,6 +1,7 @@
 """Policies: the interface contract under jit for every policy, and each policy's rule."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -279,6 +280,20 @@ def test_adaptive_window_moves_by_step_within_bounds():
     worse = P.Observation(**{**obs.__dict__, "in_hbm": obs.in_hbm & False})
     st, _ = pol.plan(st, worse)
     assert int(pol.next_window(st)) == 50
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("window", 0, "Anneal window=0: expected an integer >= 1"),
+        ("interval", -1, "Anneal interval=-1: expected an integer >= 0"),
+        ("discount", float("nan"), "Anneal discount=nan: expected a finite number in (0, 1]"),
+        ("demote_cost", -1.0, "Anneal demote_cost=-1.0: expected a finite number >= 0"),
+    ],
+)
+def test_anneal_rejects_bad_fields(field, value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        P.Anneal(**{field: value})
 
 
 def test_unlimited_refuses_to_plan():

@@ -150,6 +150,13 @@ def test_error_missing_shard(tmp_path):
         load_pretrained(folder)
 
 
+def test_error_corrupt_tokenizer(tmp_path):
+    folder = _copy(tmp_path, "llama3")
+    (folder / "tokenizer.json").write_text('{"version": "1.0", "model": 7}')
+    with pytest.raises(ValueError, match=r"tokenizer\.json: not a readable tokenizer \("):
+        load_tokenizer(folder)
+
+
 def test_error_missing_tokenizer(tmp_path):
     with pytest.raises(ValueError, match=r"tokenizer\.json: file not found"):
         load_tokenizer(FIXTURES / "qwen2")
