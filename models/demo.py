@@ -1,8 +1,14 @@
-"""`jaxkv demo`: the default model decoding a long prompt under each placement policy.
+"""`jaxkv demo`: the default model decoding a long prompt under each placement policy, twice.
 
-Runs an all-HBM cache and then each policy with HBM holding a fraction (25% by default) of the
-KV footprint, checks that exact-mode tokens are identical everywhere, and prints a table (or JSON
-with --json).
+1. Lossless: exact attention (every block read every step) on a GH200 profile; an all-HBM cache
+   and each policy with HBM holding a fraction (25% by default) of the KV footprint; the tokens
+   must be identical everywhere.
+2. Placement matters: sparse attention (each step reads its top blocks) on a slow link
+   (h200-pcie), where which blocks live in HBM decides the step time; the tokens must still
+   equal the all-HBM run's (the selection depends on the logical blocks only).
+
+Prints one table per run (or JSON with --json) and writes a PNG of modeled tokens/s and HBM hit
+rate per policy (bench/results/demo.png by default).
 """
 
 from __future__ import annotations
@@ -77,6 +83,9 @@ def check_demo_args(values: dict, label=lambda name: name) -> None:
         )
 
 
+PLACEMENT_PROFILE = "h200-pcie"  # a slow link: where placement decides the step time
+
+
 def run_demo(
     *,
     prompt_len: int = 1024,
@@ -91,20 +100,46 @@ def run_demo(
 ) -> dict:
     """Decodes the same prompt with an all-HBM cache and with each policy; returns a summary.
     Arguments are checked before the model loads (ValueError naming the argument)."""
+    return run_demo_parts(
+        [(attention, profile)],
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        hbm_fraction=hbm_fraction,
+        policies=policies,
+        window=window,
+        block_size=block_size,
+        progress=progress,
+    )[0]
+
+
+def run_demo_parts(
+    parts,
+    *,
+    prompt_len: int = 1024,
+    new_tokens: int = 128,
+    hbm_fraction: float = 0.25,
+    policies=DEFAULT_POLICIES,
+    window: int = 16,
+    block_size: int = 16,
+    progress: bool = True,
+) -> list[dict]:
+    """`run_demo` for each (attention, profile) in `parts`, one model load and one progress
+    bar; every argument is checked before the model loads."""
     from tqdm.auto import tqdm
 
-    check_demo_args(
-        dict(
-            prompt_len=prompt_len,
-            new_tokens=new_tokens,
-            hbm_fraction=hbm_fraction,
-            policies=policies,
-            window=window,
-            block_size=block_size,
-            attention=attention,
-            profile=profile,
+    for attention, profile in parts:
+        check_demo_args(
+            dict(
+                prompt_len=prompt_len,
+                new_tokens=new_tokens,
+                hbm_fraction=hbm_fraction,
+                policies=policies,
+                window=window,
+                block_size=block_size,
+                attention=attention,
+                profile=profile,
+            )
         )
-    )
     model, tokenizer = default_model()
     mc = model.config
     if prompt_len + new_tokens > mc.max_seq_len:
@@ -112,53 +147,78 @@ def run_demo(
             f"prompt_len + new_tokens = {prompt_len} + {new_tokens} exceeds the default model's "
             f"context of {mc.max_seq_len} tokens"
         )
-    _, params = nnx.split(model)
     prompt = encode_prompt(model, tokenizer, prompt_len)[None]
     runs = [("all-hbm", 1.0, "static")] + [(p, hbm_fraction, p) for p in policies]
-    chunk = min(16, (new_tokens - 1) // 2)  # the first chunk compiles; the rest is timed
-    results, tokens = {}, {}
     # a failure closes the bar first, so its message gets a line of its own
     with tqdm(
-        total=len(runs) * (new_tokens - 1),
+        total=len(parts) * len(runs) * (new_tokens - 1),
         desc="decoding",
         disable=not progress,
         unit="tok",
         file=sys.stderr,
     ) as bar:
-        for name, frac, policy in runs:
-            cfg = CacheConfig.for_model(
-                mc,
-                batch=1,
-                max_len=prompt_len + new_tokens,
-                block_size=block_size,
-                hbm_capacity=frac,
+        return [
+            _run_part(
+                model,
+                prompt,
+                runs,
+                hbm_fraction,
+                attention,
+                profile,
+                new_tokens,
+                window,
+                block_size,
+                bar,
             )
-            placement = PlacementConfig(policy=policy, window=window, attention=attention)
-            dec = Decoder(model, cfg, placement, max_new_tokens=new_tokens, profile=profile)
-            bar.set_postfix_str(name)
-            state = dec.prefill(params, prompt)
-            state = dec.generate(params, state, until=chunk)  # compiles; not timed
+            for attention, profile in parts
+        ]
+
+
+def _run_part(
+    model, prompt, runs, hbm_fraction, attention, profile, new_tokens, window, block_size, bar
+):
+    """One table: each run (name, HBM fraction, policy) decoded and summarized."""
+    mc = model.config
+    _, params = nnx.split(model)
+    prompt_len = prompt.shape[1]
+    chunk = min(16, (new_tokens - 1) // 2)  # the first chunk compiles; the rest is timed
+    results, tokens = {}, {}
+    for name, frac, policy in runs:
+        cfg = CacheConfig.for_model(
+            mc,
+            batch=1,
+            max_len=prompt_len + new_tokens,
+            block_size=block_size,
+            hbm_capacity=frac,
+        )
+        placement = PlacementConfig(policy=policy, window=window, attention=attention)
+        dec = Decoder(model, cfg, placement, max_new_tokens=new_tokens, profile=profile)
+        bar.set_postfix_str(f"{attention}: {name}")
+        state = dec.prefill(params, prompt)
+        state = dec.generate(params, state, until=chunk)  # compiles; not timed
+        jax.block_until_ready(state)
+        bar.update(int(state.step))
+        t0, s0 = time.perf_counter(), int(state.step)
+        while int(state.step) < new_tokens - 1:
+            before = int(state.step)
+            state = dec.generate(params, state, until=before + chunk)
             jax.block_until_ready(state)
-            bar.update(int(state.step))
-            t0, s0 = time.perf_counter(), int(state.step)
-            while int(state.step) < new_tokens - 1:
-                before = int(state.step)
-                state = dec.generate(params, state, until=before + chunk)
-                jax.block_until_ready(state)
-                bar.update(int(state.step) - before)
-            wall = time.perf_counter() - t0
-            n = int(state.step) - s0
-            plan_s = dec.plan_seconds(params, state)
-            summary = summarize(state, plan_seconds=plan_s, step_seconds=wall / n if n else None)
-            summary["wall_tokens_per_s"] = n / wall if wall > 0 and n else float("nan")
-            summary["hbm_blocks"] = cfg.hbm_blocks
-            summary["total_blocks"] = cfg.total_blocks
-            results[name] = summary
-            tokens[name] = np.asarray(state.tokens)
+            bar.update(int(state.step) - before)
+        wall = time.perf_counter() - t0
+        n = int(state.step) - s0
+        plan_s = dec.plan_seconds(params, state)
+        summary = summarize(state, plan_seconds=plan_s, step_seconds=wall / n if n else None)
+        summary["wall_tokens_per_s"] = n / wall if wall > 0 and n else float("nan")
+        summary["hbm_blocks"] = cfg.hbm_blocks
+        summary["total_blocks"] = cfg.total_blocks
+        results[name] = summary
+        tokens[name] = np.asarray(state.tokens)
     ref = tokens["all-hbm"]
-    lossless = all(np.array_equal(t, ref) for t in tokens.values())
+    same = all(np.array_equal(t, ref) for t in tokens.values())
     return {
-        "lossless": bool(lossless) if attention == "exact" else None,
+        # exact attention: equal to the all-HBM cache; sparse: placement changed nothing
+        "lossless": bool(same) if attention == "exact" else None,
+        "placement_free": bool(same),
         "attention": attention,
         "model": f"{mc.num_layers} layers, dim {mc.dim}, {mc.num_heads} heads / "
         f"{mc.num_kv_heads} kv heads, vocab {mc.vocab_size}",
@@ -213,7 +273,7 @@ def format_table(report: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lossless = report["lossless"]
+    lossless = report["lossless"] if report["attention"] == "exact" else report["placement_free"]
     head = (
         f"jaxkv demo: {report['model']}; prompt {report['prompt_tokens']} tokens, "
         f"{report['new_tokens']} generated; HBM {100 * report['hbm_fraction']:.0f}% of the KV "
@@ -225,12 +285,54 @@ def format_table(report: dict) -> str:
         "over the steps); 'plan charged' lengthens each modeled step by the share of a "
         "step's wall time that planning adds here"
     )
-    tail = {
-        True: "lossless: tokens identical to the all-HBM cache under every policy",
-        False: "NOT lossless: some policy changed the generated tokens",
-        None: "sparse attention: an approximation, tokens not compared",
-    }[lossless]
+    if report["attention"] == "exact":
+        tail = (
+            "lossless: tokens identical to the all-HBM cache under every policy"
+            if lossless
+            else "NOT lossless: some policy changed the generated tokens"
+        )
+    else:
+        tail = (
+            "placement-free: sparse attention approximates the model, but its tokens are "
+            "identical to the all-HBM cache's under every policy"
+            if lossless
+            else "NOT placement-free: some policy changed the sparse run's tokens"
+        )
     return "\n".join([head, "", *lines, "", note, tail])
+
+
+def plot_report(reports: list[dict], path: Path) -> Path | None:
+    """A PNG of modeled tokens/s (planning charged) and HBM hit rate per policy, one row of
+    panels per run; None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(len(reports), 2, figsize=(10, 3.2 * len(reports)), squeeze=False)
+    for (ax_t, ax_h), r in zip(axes, reports, strict=True):
+        names = list(r["policies"])
+        tps = [r["policies"][n]["modeled_tokens_per_s_with_plan"] / 1e3 for n in names]
+        hit = [100 * r["policies"][n]["hbm_hit_rate"] for n in names]
+        colors = ["0.6" if n == "all-hbm" else f"C{i}" for i, n in enumerate(names)]
+        title = f"{r['attention']} attention, {r['profile']}"
+        ax_t.barh(names, tps, color=colors)
+        ax_t.set_xlabel("modeled tokens/s (thousands), planning charged")
+        ax_t.set_title(title)
+        ax_t.invert_yaxis()
+        ax_h.barh(names, hit, color=colors)
+        ax_h.set_xlabel("HBM hit rate (%)")
+        ax_h.set_xlim(0, 100)
+        ax_h.set_title(f"HBM holds {100 * r['hbm_fraction']:.0f}% of the KV")
+        ax_h.invert_yaxis()
+    fig.suptitle(f"jaxkv demo: {reports[0]['model']}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def _cmd(args) -> int:
@@ -240,24 +342,48 @@ def _cmd(args) -> int:
             f"--policies={args.policies!r}: expected comma-separated policy names, e.g. "
             f"{','.join(DEFAULT_POLICIES)}"
         )
-    values = vars(args) | dict(policies=policies, block_size=16)
-    check_demo_args(values, label=lambda name: "--" + name.replace("_", "-"))
-    report = run_demo(
+    parts = {
+        "exact": [("exact", args.profile)],
+        "sparse": [("sparse", args.placement_profile)],
+        "both": [("exact", args.profile), ("sparse", args.placement_profile)],
+    }[args.attention]
+    for attention, profile in parts:
+        values = vars(args) | dict(
+            policies=policies, block_size=16, attention=attention, profile=profile
+        )
+        names = {"profile": "--profile" if attention == "exact" else "--placement-profile"}
+        check_demo_args(values, label=lambda n, m=names: m.get(n, "--" + n.replace("_", "-")))
+    reports = run_demo_parts(
+        parts,
         prompt_len=args.prompt_len,
         new_tokens=args.new_tokens,
         hbm_fraction=args.hbm_fraction,
         policies=policies,
         window=args.window,
-        attention=args.attention,
-        profile=args.profile,
         progress=not args.json,
     )
-    print(json.dumps(report, indent=2) if args.json else format_table(report))
-    return 0 if report["lossless"] in (True, None) else 1
+    png = None if args.no_plot else plot_report(reports, Path(args.plot))
+    report = dict(reports[0])
+    if len(reports) > 1:
+        report["placement"] = reports[1]
+    report["plot"] = None if png is None else str(png)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print("\n\n".join(format_table(r) for r in reports))
+        if png is not None:
+            print(f"\nfigure: {png}")
+        elif not args.no_plot:
+            print("\nno figure: matplotlib is not installed (pip install jaxkv[plot])")
+    return 0 if all(r["placement_free"] for r in reports) else 1
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="decode the default model under each placement policy")
+    p = sub.add_parser(
+        "demo",
+        help="decode the default model under each placement policy: lossless (exact "
+        "attention) and where placement matters (sparse attention, slow link)",
+    )
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--hbm-fraction", type=float, default=0.25)
@@ -267,7 +393,21 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         help="comma-separated policy names",
     )
     p.add_argument("--window", type=int, default=16, help="steps between placement plans (W)")
-    p.add_argument("--attention", choices=("exact", "sparse"), default="exact")
-    p.add_argument("--profile", default="gh200", help="hardware profile for the modeled latency")
+    p.add_argument(
+        "--attention",
+        choices=("exact", "sparse", "both"),
+        default="both",
+        help="exact: the lossless check; sparse: where placement matters; both (default)",
+    )
+    p.add_argument("--profile", default="gh200", help="hardware profile modeled in the exact run")
+    p.add_argument(
+        "--placement-profile",
+        default=PLACEMENT_PROFILE,
+        help=f"hardware profile modeled in the sparse run (default {PLACEMENT_PROFILE})",
+    )
+    p.add_argument(
+        "--plot", default="bench/results/demo.png", help="where to write the figure (PNG)"
+    )
+    p.add_argument("--no-plot", action="store_true", help="write no figure")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd)

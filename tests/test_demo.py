@@ -6,7 +6,9 @@ import models.demo as demo
 from jaxkv import cli
 
 
-def test_demo_json_is_lossless(capsys):
+def test_demo_json_is_lossless_and_shows_placement(capsys, tmp_path):
+    """Both runs: exact attention (lossless) and sparse attention on a slow link, where the
+    policies' hit rates and modeled tokens/s differ but their tokens do not; the figure."""
     rc = cli.main(
         [
             "demo",
@@ -19,13 +21,23 @@ def test_demo_json_is_lossless(capsys):
             "static,lru",
             "--window",
             "4",
+            "--plot",
+            str(tmp_path / "demo.png"),
         ]
     )
     report = json.loads(capsys.readouterr().out)
     assert rc == 0
-    assert report["lossless"] is True
+    assert report["lossless"] is True and report["placement_free"] is True
+    sparse = report["placement"]
+    assert sparse["attention"] == "sparse" and sparse["profile"] == "h200-pcie"
+    assert sparse["lossless"] is None and sparse["placement_free"] is True
+    st, lru = sparse["policies"]["static"], sparse["policies"]["lru"]
+    assert st["hbm_hit_rate"] != lru["hbm_hit_rate"]
+    assert st["modeled_tokens_per_s"] != lru["modeled_tokens_per_s"]
+    pytest.importorskip("matplotlib")
+    assert report["plot"] == str(tmp_path / "demo.png") and (tmp_path / "demo.png").stat().st_size
     assert set(report["policies"]) == {"all-hbm", "static", "lru"}
-    for r in report["policies"].values():
+    for r in [*report["policies"].values(), *sparse["policies"].values()]:
         assert set(r) == {
             "hbm_hit_rate",
             "migrated_blocks",
@@ -48,6 +60,7 @@ def test_demo_table_is_readable(capsys):
 
     report = {
         "lossless": True,
+        "placement_free": True,
         "attention": "exact",
         "model": "m",
         "prompt_tokens": 10,
@@ -83,7 +96,7 @@ def test_demo_table_is_readable(capsys):
 
 
 def test_demo_unknown_policy_is_a_clear_error(capsys):
-    rc = cli.main(["demo", "--policies", "static,nope", "--prompt-len", "64"])
+    rc = cli.main(["demo", "--policies", "static,nope", "--prompt-len", "64", "--no-plot"])
     assert rc == 2
     assert "--policies='nope': unknown policy 'nope'" in capsys.readouterr().err
 
@@ -106,7 +119,19 @@ def test_demo_short_runs_and_bad_lengths(capsys):
     """A few new tokens still time at least one step (it was a ZeroDivisionError at <= 17);
     too few, or a prompt past the model's context, is a clear error before any work."""
     rc = cli.main(
-        ["demo", "--json", "--prompt-len", "64", "--new-tokens", "5", "--policies", "static"]
+        [
+            "demo",
+            "--json",
+            "--prompt-len",
+            "64",
+            "--new-tokens",
+            "5",
+            "--policies",
+            "static",
+            "--attention",
+            "exact",
+            "--no-plot",
+        ]
     )
     report = json.loads(capsys.readouterr().out)
     assert rc == 0 and report["lossless"] is True
@@ -135,7 +160,9 @@ def test_demo_failure_mid_run_gets_its_own_line(capsys, monkeypatch, tiny):
 
     monkeypatch.setattr(demo, "default_model", lambda: (tiny[0], None))
     monkeypatch.setattr(demo, "Decoder", boom)
-    rc = cli.main(["demo", "--prompt-len", "16", "--new-tokens", "3", "--policies", "static"])
+    rc = cli.main(
+        ["demo", "--prompt-len", "16", "--new-tokens", "3", "--policies", "static", "--no-plot"]
+    )
     err = capsys.readouterr().err
     assert rc == 2
     assert "decoding" in err and "\njaxkv demo: error: boom\n" in err
