@@ -1,5 +1,5 @@
 """TieredKVCache: a paged KV cache split over HBM (memory kind `device`) and host memory
-(memory kind `pinned_host`).
+(memory kind `config.host_memory_kind`: `pinned_host`, or `unpinned_host` / `device`).
 
 A block is `block_size` consecutive tokens of one sequence in one layer (all KV heads, K and V).
 Every written logical block lives in exactly one slot of one tier; the block table maps
@@ -9,30 +9,38 @@ token arrives; when it fills up it is *sealed*: it stays in HBM when a free HBM 
 the next tail, otherwise it spills to host (so with no migration the cache fills HBM in write
 order and spills the rest, the paper's Static policy).
 
-Host arrays are only ever touched by copies: per-block `dynamic_slice` + `device_put` to read,
-`dynamic_update_slice` of a `device_put` value to write (GPU rejects gathers on pinned_host).
-All operations are pure functions returning a new cache and run inside or outside jit.
+Host pools are only touched by the bulk transfers of `jaxkv.transfer` (one read or write per
+pool and direction). All operations are pure functions returning a new cache and run inside or
+outside jit. Memory kinds: called outside jit, every operation runs as one jit whose
+`out_shardings` name the configured kinds (`cache_shardings`), so the pools come back in them.
+Traced inside a caller's jit, "device" and "pinned_host" pools keep their kind by themselves, but
+jax types a traced "unpinned_host" value as "device" (`jaxkv.transfer.to_kind`), so a jit that
+returns an "unpinned_host" cache must name `cache_shardings(config)` for it in `out_shardings`;
+without them it returns "device" pools, and if it donates the cache the runtime aborts (jax
+aliases the donated unpinned_host buffer to an output it calls "device").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv._pytree import pytree_dataclass, replace, static_field
 from jaxkv.config import HBM_KIND, TIER_HBM, TIER_HOST, TIER_NONE, CacheConfig
-from jaxkv.transfer import read_blocks, rows_of, to_kind, write_blocks
+from jaxkv.transfer import kind_sharding, read_blocks, rows_of, to_kind, traced, write_blocks
 
 
 @pytree_dataclass
 class TieredKVCache:
     hbm_k: jax.Array  # [layers, hbm_slots, block, kv_heads, head_dim]  memory kind "device"
     hbm_v: jax.Array  # [layers, hbm_slots, block, kv_heads, head_dim]  memory kind "device"
-    host_k: jax.Array  # [layers, host_slots, block, kv_heads, head_dim]  "pinned_host"
-    host_v: jax.Array  # [layers, host_slots, block, kv_heads, head_dim]  "pinned_host"
+    host_k: jax.Array  # [layers, host_slots, block, kv_heads, head_dim]  config.host_memory_kind
+    host_v: jax.Array  # [layers, host_slots, block, kv_heads, head_dim]  config.host_memory_kind
     tier: jax.Array  # [layers, batch, max_blocks] int32: TIER_HBM / TIER_HOST / TIER_NONE
     slot: jax.Array  # [layers, batch, max_blocks] int32: slot in that tier's pool (0 if none)
     hbm_free: jax.Array  # [layers, hbm_slots] bool
@@ -88,6 +96,34 @@ class TieredKVCache:
         return self.sealed & (self.tier == TIER_HBM)
 
 
+def cache_shardings(config: CacheConfig) -> TieredKVCache:
+    """A TieredKVCache of shardings: the host pools in `config.host_memory_kind`, every other
+    array in "device". Pass it for a cache in a jit's `out_shardings` (e.g. the `cache` field of
+    a state's out_shardings prefix, None elsewhere): only a jit boundary gives a traced
+    "unpinned_host" pool its kind back (see the module docstring)."""
+    dev, host = kind_sharding(HBM_KIND), kind_sharding(config.host_memory_kind)
+    arrays = [f.name for f in dataclasses.fields(TieredKVCache) if f.name != "config"]
+    fields = {name: dev for name in arrays}
+    return TieredKVCache(**{**fields, "host_k": host, "host_v": host, "config": config})
+
+
+@functools.cache
+def _kinds_jit(op, config: CacheConfig, pair: bool, static: tuple):
+    """`op` jitted with out_shardings naming the cache's kinds (for (cache, [layers] array) when
+    `pair`) and `static` ((name, value) pairs) bound as keywords."""
+    out = cache_shardings(config)
+    out = (out, kind_sharding(HBM_KIND)) if pair else out
+    return jax.jit(functools.partial(op, **dict(static)), out_shardings=out)
+
+
+def _run(op, cache: TieredKVCache, *args, pair: bool = False, **static):
+    """`op(cache, *args, **static)`: as is when traced; outside jit as one jit that returns the
+    pools in their configured memory kinds (`cache_shardings`)."""
+    if traced(cache, args):
+        return op(cache, *args, **static)
+    return _kinds_jit(op, cache.config, pair, tuple(sorted(static.items())))(cache, *args)
+
+
 GPU_HOST_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 GPU_HOST_LIMIT_DEFAULT_GB = 64.0  # XLA's pinned-host allocator on GPUs, unless the variable says
 
@@ -139,7 +175,10 @@ def prefill(cache: TieredKVCache, k: jax.Array, v: jax.Array, lengths) -> Tiered
     block) is placed in HBM.
 
     Args:
-      cache: an empty cache (from `TieredKVCache.create`).
+      cache: an empty cache (from `TieredKVCache.create`). A cache holding tokens is refused
+        (ValueError) when its lengths are concrete; under jit they are not checked, and the
+        result is the prompts alone, as if written into a new cache (whatever the cache held is
+        discarded: every array is rebuilt from k, v and lengths).
       k, v: [layers, batch, T, kv_heads, head_dim] prompt keys (after RoPE) and values; positions
         at or beyond a sequence's length are ignored.
       lengths: [batch] int prompt lengths, 1 <= length <= min(T, max_len). Checked eagerly when
@@ -161,7 +200,16 @@ def prefill(cache: TieredKVCache, k: jax.Array, v: jax.Array, lengths) -> Tiered
         bad = [int(x) for x in lengths if not 1 <= int(x) <= T]
         if bad:
             raise ValueError(f"prompt lengths {bad} out of range: expected 1 <= length <= T={T}")
-    return _prefill(cache, k, v, lengths)
+    if not traced(cache.lengths):
+        held = np.asarray(cache.lengths)
+        seqs = np.flatnonzero(held > 0).tolist()
+        if seqs:
+            raise ValueError(
+                f"prefill: the cache already holds tokens: sequence(s) {seqs} have length(s) "
+                f"{held[seqs].tolist()}; prefill writes into an empty cache "
+                "(TieredKVCache.create), it does not append"
+            )
+    return _run(_prefill, cache, k, v, lengths)
 
 
 @jax.jit
@@ -233,16 +281,31 @@ def _prefill(cache: TieredKVCache, k, v, lengths) -> TieredKVCache:
     )
 
 
-def write_token(cache: TieredKVCache, layer: int, k, v, active) -> TieredKVCache:
+def write_token(cache: TieredKVCache, layer, k, v, active) -> TieredKVCache:
     """Writes one token's K and V per sequence into `layer`'s tail block at position `lengths`.
 
     Lengths do not change: call `advance` once after all layers are written.
 
     Args:
-      layer: python int.
+      layer: int or int scalar array, 0 <= layer < num_layers: checked (ValueError) when
+        concrete; a traced layer out of range (e.g. -1) writes nothing.
       k, v: [batch, kv_heads, head_dim] in the cache dtype.
       active: [batch] bool; inactive sequences (finished or full) are not written.
     """
+    L = cache.config.num_layers
+    if not traced(layer):
+        if np.ndim(layer) or not np.issubdtype(np.asarray(layer).dtype, np.integer):
+            raise ValueError(f"write_token: layer={layer!r}: expected an int scalar")
+        if not 0 <= int(layer) < L:
+            raise ValueError(f"write_token: layer={int(layer)}: expected 0 <= layer < {L}")
+        if not traced(cache, k, v, active):  # outside jit: one compile for every layer
+            layer = jnp.int32(layer)
+    else:  # out of range -> L: reads clamp, writes drop
+        layer = jnp.where((layer >= 0) & (layer < L), layer, L)
+    return _run(_write_token, cache, layer, k, v, active)
+
+
+def _write_token(cache: TieredKVCache, layer, k, v, active) -> TieredKVCache:
     c = cache.config
     b = jnp.arange(c.batch)
     pos = cache.lengths
@@ -302,6 +365,10 @@ def advance(cache: TieredKVCache, active, *, after_reads=None) -> TieredKVCache:
       after_reads: results of the step's reads of the host pools (e.g. the logits), which the
         in-place spill must follow (`jaxkv.transfer.after`); None if there are none.
     """
+    return _run(_advance, cache, active, after_reads)
+
+
+def _advance(cache: TieredKVCache, active, after_reads) -> TieredKVCache:
     c = cache.config
     L, B, M, bs = c.num_layers, c.batch, c.max_blocks, c.block_size
     ok = active & (cache.lengths < c.max_len)
@@ -465,9 +532,7 @@ def migrate(
     Returns:
       (new cache, [layers] int32 number of blocks actually moved; 0 outside `layers`).
     """
-    c = cache.config
-    L, B, M = c.num_layers, c.batch, c.max_blocks
-    N = B * M
+    L = cache.config.num_layers
     chosen = tuple(range(L)) if layers is None else tuple(layers)
     bad = [x for x in chosen if not (isinstance(x, int) and 0 <= x < L)]
     if bad:
@@ -476,9 +541,16 @@ def migrate(
         raise ValueError("migrate layers=() names no layer: pass None for all layers")
     if moves.demote.shape[1] + moves.promote.shape[1] == 0:  # a zero migration budget
         return cache, jnp.zeros((L,), jnp.int32)
-    ls = jnp.asarray(chosen, jnp.int32)
+    return _run(_migrate, cache, moves, after_reads, fetched, pair=True, layers=chosen)
+
+
+def _migrate(cache: TieredKVCache, moves: Moves, after_reads, fetched, *, layers: tuple):
+    c = cache.config
+    L, B, M = c.num_layers, c.batch, c.max_blocks
+    N = B * M
+    ls = jnp.asarray(layers, jnp.int32)
     lay = ls[:, None]
-    nl = len(chosen)
+    nl = len(layers)
     tier = cache.tier[ls].reshape(nl, N)
     slot = cache.slot[ls].reshape(nl, N)
     sealed = cache.sealed[ls].reshape(nl, N)
@@ -582,7 +654,6 @@ def migrate(
     return cache, jnp.zeros((L,), jnp.int32).at[ls].set(moved)
 
 
-@functools.partial(jax.jit, static_argnames=("impl",))
 def compact(cache: TieredKVCache, impl: str = "xla") -> TieredKVCache:
     """Renumbers occupied HBM slots into a dense prefix (stable order), per layer.
 
@@ -600,10 +671,14 @@ def compact(cache: TieredKVCache, impl: str = "xla") -> TieredKVCache:
       A cache with identical logical contents whose HBM pool holds its blocks in slots
       [0, occupied) and whose free slots form the suffix.
     """
-    from pallas_kernels.compaction import compaction, compaction_moves
-
     if impl not in ("auto", "xla", "pallas"):
         raise ValueError(f"unknown compaction impl {impl!r}; expected 'auto', 'xla' or 'pallas'")
+    return _run(_compact, cache, impl=impl)
+
+
+def _compact(cache: TieredKVCache, *, impl: str) -> TieredKVCache:
+    from pallas_kernels.compaction import compaction, compaction_moves
+
     used = ~cache.hbm_free  # [L, S]
     src, dst, num_moves, new_of_old = compaction_moves(used)
     if impl == "pallas":

@@ -45,9 +45,26 @@ def resolve_fetch(fetch: str) -> str:
     return GPU_AUTO if on_gpu() else "xla"
 
 
+def kind_sharding(kind: str) -> jax.sharding.SingleDeviceSharding:
+    """The sharding of an array on the default device in memory kind `kind`."""
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+
+
+def traced(*trees) -> bool:
+    """Whether any leaf of `trees` is a tracer (the call is being traced, e.g. under jit)."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
+
+
 def to_kind(x: jax.Array, kind: str) -> jax.Array:
-    """Places `x` in memory kind `kind` (works inside and outside jit)."""
-    return jax.device_put(x, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind))
+    """Places `x` in memory kind `kind`.
+
+    Outside jit the result has that kind. Inside jit the kind lives in the value's type, which
+    knows two memory spaces only: "device" and "pinned_host" (jax's `Space.Device` and
+    `Space.Host`). An "unpinned_host" value traced here is typed "device" (a jit returns it as
+    "device" on CPU); it gets its kind only where a jit boundary names it in `out_shardings`
+    (`kind_sharding`, `jaxkv.cache.cache_shardings`), as every cache op called outside jit does.
+    """
+    return jax.device_put(x, kind_sharding(kind))
 
 
 def rows_of(layer, slot, valid, slots_per_layer: int):
@@ -133,6 +150,10 @@ def write_blocks(pool, rows, blocks, fetch: str, *, pool_kind: str, after_reads=
     Returns:
       The pool with those blocks written, in memory kind `pool_kind`.
     """
+    if not traced(pool, rows, blocks, after_reads):  # one jit naming the pool's kind
+        return _write_blocks_jit(resolve_fetch(fetch), pool_kind, target_platform())(
+            pool, rows, blocks, after_reads
+        )
     if after_reads is not None:
         rows = after(rows, after_reads)
     flat = pool.reshape(pool.shape[0] * pool.shape[1], -1)
@@ -148,3 +169,17 @@ def write_blocks(pool, rows, blocks, fetch: str, *, pool_kind: str, after_reads=
         safe = to_kind(jnp.where(rows >= 0, rows, flat.shape[0]), pool_kind)  # -> dropped
         out = flat.at[safe].set(to_kind(vals, pool_kind), mode="drop", unique_indices=True)
     return out.reshape(pool.shape)
+
+
+@functools.cache
+def _write_blocks_jit(fetch: str, pool_kind: str, platform: str):
+    """`write_blocks` for calls outside jit: out_shardings give the result the pool's kind (an
+    eager Pallas scatter into a pinned_host pool otherwise returns, aliased, a host buffer typed
+    "device", which aborts the process). `platform` keys the compile target it was traced for.
+    """
+    del platform
+
+    def write(pool, rows, blocks, after_reads):
+        return write_blocks(pool, rows, blocks, fetch, pool_kind=pool_kind, after_reads=after_reads)
+
+    return jax.jit(write, out_shardings=kind_sharding(pool_kind))

@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -5,7 +7,7 @@ import pytest
 from conftest import random_cache
 
 from jaxkv import cache as kvc
-from jaxkv.config import TIER_HBM, TIER_HOST, CacheConfig
+from jaxkv.config import TIER_HBM, TIER_HOST, CacheConfig, PlacementConfig
 
 
 def kinds(cache):
@@ -15,9 +17,6 @@ def kinds(cache):
         cache.host_k.sharding.memory_kind,
         cache.host_v.sharding.memory_kind,
     )
-
-
-EXPECTED = ("device", "device", "pinned_host", "pinned_host")
 
 
 def _cfg(**kw):
@@ -35,19 +34,39 @@ def _append(cache, key, active):
     return kvc.advance(cache, active), k
 
 
-def test_memory_kinds_outside_and_inside_jit():
-    cache, _, _ = random_cache(jax.random.key(0))
-    assert kinds(cache) == EXPECTED
+@pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host"])
+def test_memory_kinds_kept_by_every_op(kind):
+    """Every op keeps the configured kinds outside jit by itself; inside a jit, pinned_host by
+    itself and unpinned_host where the jit passes `cache_shardings` (and may then donate the
+    cache). The property test in test_transfer.py checks the kinds under every mechanism."""
+    cfg = _cfg(batch=2, max_len=24, hbm_capacity=4, host_memory_kind=kind)
+    want = ("device", "device", kind, kind)
+    cache = kvc.TieredKVCache.create(cfg)
+    assert kinds(cache) == want
+    k = jax.random.normal(jax.random.key(0), (2, 2, 13, 2, 8))
+    cache = kvc.prefill(cache, k, -k, jnp.array([13, 6]))
+    assert kinds(cache) == want
     active = jnp.array([True, True])
-    appended, _ = _append(cache, jax.random.key(1), active)
-    assert kinds(appended) == EXPECTED
-    jitted, _ = jax.jit(_append)(cache, jax.random.key(1), active)
-    assert kinds(jitted) == EXPECTED
-    target = jnp.ones((2, cache.config.total_blocks), bool)
-    moved, _ = jax.jit(lambda c, t: kvc.migrate(c, kvc.plan_moves(c, t, 4)))(cache, target)
-    assert kinds(moved) == EXPECTED
-    assert kinds(jax.jit(kvc.compact)(moved)) == EXPECTED
-    assert kinds(kvc.compact(moved)) == EXPECTED
+    appended, _ = _append(cache, jax.random.key(1), active)  # write_token, advance
+    assert kinds(appended) == want
+    target = jnp.zeros((2, cfg.total_blocks), bool)  # demote every sealed block
+    moved, n = kvc.migrate(appended, kvc.plan_moves(appended, target, 4))
+    assert kinds(moved) == want and int(n.sum()) > 0
+    assert kinds(kvc.compact(moved)) == want
+
+    def ops(cache):
+        cache, _ = _append(cache, jax.random.key(1), active)
+        cache, _ = kvc.migrate(cache, kvc.plan_moves(cache, target, 4))
+        return kvc.compact(cache)
+
+    if kind == "unpinned_host":  # jax types a traced unpinned_host value "device"
+        ops = jax.jit(ops, out_shardings=kvc.cache_shardings(cfg), donate_argnums=(0,))
+    else:
+        ops = jax.jit(ops)
+    out = ops(cache)
+    assert kinds(out) == want
+    for a, b in zip(kvc.to_dense(out), kvc.to_dense(kvc.compact(moved)), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_prefill_fills_hbm_in_write_order_and_reconstructs():
@@ -213,3 +232,80 @@ def test_compact_with_pallas_kernel_matches():
     for x, y in ((a.hbm_k, b.hbm_k), (a.hbm_v, b.hbm_v), (a.slot, b.slot)):
         np.testing.assert_array_equal(x, y)
     np.testing.assert_array_equal(kvc.to_dense(a)[0], dk)
+
+
+def test_error_write_token_layer_out_of_range():
+    cache = kvc.TieredKVCache.create(_cfg(num_layers=1))
+    x, active = jnp.ones((2, 2, 8)), jnp.array([True, True])
+    for layer in (5, -1, jnp.int32(1)):
+        with pytest.raises(ValueError, match=r"write_token: layer=-?\d: expected 0 <= layer < 1"):
+            kvc.write_token(cache, layer, x, x, active)
+    with pytest.raises(ValueError, match=r"write_token: layer=0\.5: expected an int scalar"):
+        kvc.write_token(cache, 0.5, x, x, active)
+    # traced, it cannot be checked: out of range writes nothing
+    write = jax.jit(kvc.write_token)
+    for layer in (1, -1):
+        out = write(cache, jnp.int32(layer), x, x, active)
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(cache), strict=True):
+            np.testing.assert_array_equal(a, b)
+    out = write(cache, jnp.int32(0), x, x, active)
+    assert float(out.hbm_k.sum()) == 2 * 2 * 8  # one token per sequence
+
+
+def test_error_prefill_into_a_cache_holding_tokens():
+    cfg = _cfg()
+    k = jax.random.normal(jax.random.key(0), (2, 2, 9, 2, 8))
+    empty = kvc.TieredKVCache.create(cfg)
+    for lengths, seqs in (([9, 5], r"\[0, 1\] have length\(s\) \[9, 5\]"), ([0, 1], r"\[1\] have")):
+        held = dataclasses.replace(empty, lengths=jnp.array(lengths, jnp.int32))
+        with pytest.raises(
+            ValueError, match=r"prefill: the cache already holds tokens: sequence\(s\) " + seqs
+        ):
+            kvc.prefill(held, k, k, jnp.array([9, 9]))
+    # under jit the lengths are not checked: the result is the prompts alone
+    prefill = jax.jit(kvc.prefill)
+    full = prefill(empty, k, k, jnp.array([9, 5]))
+    again, fresh = (prefill(c, -k, k, jnp.array([4, 9])) for c in (full, empty))
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(fresh), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_zero_migration_budget_moves_nothing():
+    cache, dk, _ = random_cache(jax.random.key(8), shuffle_moves=0)
+    c = cache.config
+    budget = PlacementConfig(max_moves=0).max_moves
+    moves = kvc.plan_moves(cache, jnp.ones((c.num_layers, c.total_blocks), bool), budget)
+    assert moves.promote.shape == moves.demote.shape == (c.num_layers, 0)
+    for migrate in (kvc.migrate, jax.jit(kvc.migrate)):
+        new, moved = migrate(cache, moves)
+        assert moved.tolist() == [0, 0]
+        np.testing.assert_array_equal(new.tier, cache.tier)
+        np.testing.assert_array_equal(kvc.to_dense(new)[0], dk)
+
+
+def test_migrate_without_demotions_evicts_only_resident_blocks():
+    """An empty demotion list: promotions beyond the free HBM slots evict blocks that were
+    resident before the call, never one promoted by it; only as many as can be evicted go."""
+    cache, dk, dv = random_cache(jax.random.key(5), lengths=(40, 30), shuffle_moves=0)
+    c = cache.config
+    tier = np.asarray(cache.tier[0]).reshape(-1)
+    resident = np.flatnonzero(np.asarray(cache.in_hbm[0]).reshape(-1))
+    host = np.flatnonzero(tier == TIER_HOST)
+    assert int(cache.hbm_free.sum()) == 0 and len(host) > len(resident) > 0
+    P = len(resident) + 2  # more promotions than blocks to evict
+    n = c.num_layers
+    moves = kvc.Moves(
+        demote=jnp.zeros((n, 0), jnp.int32),
+        promote=jnp.broadcast_to(jnp.asarray(host[:P], jnp.int32), (n, P)),
+        num_demote=jnp.zeros((n,), jnp.int32),
+        num_promote=jnp.full((n,), P, jnp.int32),
+    )
+    new, moved = kvc.migrate(cache, moves)
+    kvc.check_invariants(new)
+    now = np.asarray(new.tier[0]).reshape(-1)
+    promoted = host[:P][now[host[:P]] == TIER_HBM]
+    assert len(promoted) == len(resident)  # one per evicted block
+    assert (now[resident] == TIER_HOST).all()
+    assert moved.tolist() == [2 * len(resident)] * n
+    for a, b in zip(kvc.to_dense(new), (dk, dv), strict=True):
+        np.testing.assert_array_equal(a, b)
