@@ -282,14 +282,23 @@ class Decoder:
         # The decode step and the step that ends a window are compiled apart, so that neither
         # branches on the data (a GPU conditional syncs the host): `decode_step` has no plan
         # and no host sync; `window_step` adds the plan (and, but for `follow`, its migration).
+        # An unpinned_host cache keeps its kind only where a jit's out_shardings name it (jax
+        # types a traced unpinned_host value as device: jaxkv.cache's module docstring); the
+        # other kinds keep theirs, and their jits stay free of device-bound shardings.
+        out = {}
+        if cache_config.host_memory_kind == "unpinned_host":
+            none = dict(sampling=None, placement=None, statistics=None, metrics=None)
+            out = dict(out_shardings=DecodeState(cache=kvc.cache_shardings(cache_config), **none))
         jits = dict(
-            _prefill=jax.jit(self._prefill_impl),
+            _prefill=jax.jit(self._prefill_impl, **out),
             decode_step=jax.jit(
-                functools.partial(self._step_impl, plan=False), donate_argnums=(1,)
+                functools.partial(self._step_impl, plan=False), donate_argnums=(1,), **out
             ),
-            window_step=jax.jit(functools.partial(self._step_impl, plan=True), donate_argnums=(1,)),
-            _step=jax.jit(self._either_step, donate_argnums=(1,)),
-            _generate=jax.jit(self._generate_impl, donate_argnums=(1,)),
+            window_step=jax.jit(
+                functools.partial(self._step_impl, plan=True), donate_argnums=(1,), **out
+            ),
+            _step=jax.jit(self._either_step, donate_argnums=(1,), **out),
+            _generate=jax.jit(self._generate_impl, donate_argnums=(1,), **out),
             _plan=jax.jit(self._plan_impl),
         )
         for k, v in jits.items():

@@ -475,6 +475,23 @@ def test_step_past_max_new_tokens(tiny):
     np.testing.assert_array_equal(np.asarray(after.cache.lengths), lengths)
 
 
+@pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host", "device"])
+def test_decoder_keeps_the_host_memory_kind(tiny, all_hbm_tokens, kind):
+    """The host pools keep the configured memory kind through prefill, step and generate (an
+    unpinned_host pool came back as device), and the tokens stay the all-HBM ones."""
+    model, params = tiny
+    cfg = dataclasses.replace(_cfg(model, hbm=0.25), host_memory_kind=kind)
+    dec = Decoder(model, cfg, PlacementConfig(policy="lru", window=3), max_new_tokens=NEW)
+    state = dec.prefill(params, _prompts(256), PROMPT_LENS)
+    kinds = lambda s: {s.cache.host_k.sharding.memory_kind, s.cache.host_v.sharding.memory_kind}
+    assert kinds(state) == {kind} and state.cache.hbm_k.sharding.memory_kind == "device"
+    state = dec.step(params, state)
+    assert kinds(state) == {kind}
+    state = dec.generate(params, state)
+    assert kinds(state) == {kind}
+    np.testing.assert_array_equal(np.asarray(state.tokens), all_hbm_tokens)
+
+
 def test_error_sampling_temperature():
     with pytest.raises(ValueError, match=r"temperature must be finite and > 0, got 0"):
         Sampling(temperature=0)
