@@ -427,7 +427,9 @@ class Moves:
     num_promote: jax.Array  # [layers] int32: leading valid entries of `promote`
 
 
-def plan_moves(cache: TieredKVCache, target: jax.Array, max_moves: int) -> Moves:
+def plan_moves(
+    cache: TieredKVCache, target: jax.Array, max_moves: int, *, demote_first=None
+) -> Moves:
     """Turns a target placement into at most `max_moves` promotions per layer, paired with the
     demotions that make room for them (HBM capacity is never exceeded).
 
@@ -438,6 +440,8 @@ def plan_moves(cache: TieredKVCache, target: jax.Array, max_moves: int) -> Moves
       target: [layers, batch * max_blocks] or [layers, batch, max_blocks] bool, the sealed blocks
         that should live in HBM. Entries for unsealed blocks are ignored.
       max_moves: static migration budget per layer (promotions; demotions bounded the same way).
+      demote_first: optional [layers, N] bool, blocks to demote before any other (e.g. those a
+        sliding window has passed, which are never read again); block order otherwise.
     """
     c = cache.config
     L = c.num_layers
@@ -450,15 +454,18 @@ def plan_moves(cache: TieredKVCache, target: jax.Array, max_moves: int) -> Moves
     n_free = jnp.sum(cache.hbm_free, axis=1)  # [L]
     k = max(0, min(max_moves, N))
 
-    def first_k(mask):  # indices of the first k set entries per layer (vectorized, top_k)
+    def first_k(mask, first=None):  # the first k set entries per layer (vectorized, top_k)
         if k == 0:
             return jnp.zeros((L, 0), jnp.int32), jnp.zeros((L,), jnp.int32)
-        score = jnp.where(mask, -jnp.arange(N)[None], -N - 1)
+        score = -jnp.arange(N)[None]
+        if first is not None:  # `first` entries ahead of all others, each group in block order
+            score = jnp.where(first.reshape(L, N), score + N, score)
+        score = jnp.where(mask, score, -N - 1)
         _, idx = jax.lax.top_k(score, k)
         return idx.astype(jnp.int32), jnp.minimum(jnp.sum(mask, axis=1), k).astype(jnp.int32)
 
     promote, n_in = first_k(want_in)
-    demote, n_out = first_k(want_out)
+    demote, n_out = first_k(want_out, demote_first)
     # demote what is needed for the promotions (beyond free slots), at least; all surplus if room
     n_out = jnp.minimum(n_out, jnp.maximum(n_in - n_free, 0) + jnp.maximum(n_out - n_in, 0))
     n_in = jnp.minimum(n_in, n_free + n_out)

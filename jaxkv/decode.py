@@ -762,7 +762,11 @@ class Decoder:
         moved = jnp.zeros((c.num_layers,), jnp.int32)
         policy_state, target = self._plan_impl(state)
         if not self.follows:  # a follow policy's target is followed by the steps' layers
-            moves = kvc.plan_moves(cache, target, p.max_moves)
+            passed = None  # blocks behind every later step's window leave HBM first
+            if self._layer_windows() is not None:
+                c_ = self.cache_config
+                passed = cache.sealed.reshape(c_.num_layers, -1) & ~self._placeable(cache)
+            moves = kvc.plan_moves(cache, target, p.max_moves, demote_first=passed)
             cache, moved = kvc.migrate(cache, moves)
         stats = state.statistics.blocks
         stats = replace(stats, window_reads=jnp.zeros_like(stats.window_reads))

@@ -178,6 +178,25 @@ def test_plan_moves_respects_budget_and_capacity():
     assert moves.num_promote.tolist() == [0, 0]
 
 
+def test_plan_moves_demotes_marked_blocks_first():
+    """demote_first (blocks a sliding window has passed) leave HBM before any other surplus
+    block, whatever their place in block order."""
+    cache, _, _ = random_cache(jax.random.key(7), shuffle_moves=0)
+    c = cache.config
+    in_hbm = np.asarray(cache.in_hbm).reshape(c.num_layers, -1)
+    target = jnp.zeros((c.num_layers, c.total_blocks), bool)  # everything is surplus
+    plain = kvc.plan_moves(cache, target, 2)
+    last = np.zeros_like(in_hbm)
+    for layer in range(c.num_layers):  # mark the last resident block of each layer
+        last[layer, np.flatnonzero(in_hbm[layer])[-1]] = True
+    first = kvc.plan_moves(cache, target, 2, demote_first=jnp.asarray(last))
+    for layer in range(c.num_layers):
+        marked = int(np.flatnonzero(last[layer])[0])
+        assert int(plain.demote[layer, 0]) != marked
+        assert int(first.demote[layer, 0]) == marked
+        assert int(first.num_demote[layer]) == int(plain.num_demote[layer])
+
+
 def test_error_prefill_wrong_shape():
     cache = kvc.TieredKVCache.create(_cfg())
     k = jnp.zeros((2, 2, 5, 2, 7))
