@@ -613,6 +613,7 @@ def simulate(
     seed: int = 0,
     time_plans: bool = True,
     cache_bound_max_bytes: float = 1e9,
+    policy_kwargs: dict[str, dict] | None = None,
 ) -> dict:
     """Runs every policy over the trace and returns the table.
 
@@ -659,6 +660,9 @@ def simulate(
       time_plans: measure one compiled plan per policy (plan_seconds; 0 when False).
       cache_bound_max_bytes: the cache bound keeps every step's reads bit-packed (steps x
         layers x N / 8 bytes); above this it is skipped (cache_s and best_s None).
+      policy_kwargs: {name: {field: value}}, fields of an anneal policy's dataclass
+        (`jaxkv.policies.Anneal`, e.g. budget, error_threshold, min_window) set for that name
+        after everything above (a sweep over one policy's knobs); only for anneal names.
     Returns:
       {"policies": {name: {latency_s, tokens_per_s, speedup_vs_static, vs_unlimited,
         hbm_hit_rate, migrated_bytes, plan_seconds, ...}}, "bounds": {...}, "setup": {...}}.
@@ -698,6 +702,16 @@ def simulate(
         )
     )
     check_policies(policies)
+    for n, kw in (policy_kwargs or {}).items():
+        fields = {f.name for f in dataclasses.fields(POLICIES["anneal"])}
+        if n not in policies or not n.startswith("anneal"):
+            raise ValueError(
+                f"policy_kwargs[{n!r}]: expected one of the anneal policies run here "
+                f"{[p for p in policies if p.startswith('anneal')]}"
+            )
+        bad = sorted(set(kw) - fields)
+        if bad:
+            raise ValueError(f"policy_kwargs[{n!r}]: {bad} are not fields of Anneal")
     if follow_admit is not None:
         from jaxkv.policies import FOLLOW_ADMITS  # at call time: older policies lack it
 
@@ -722,9 +736,7 @@ def simulate(
         oracle = n.startswith("anneal-oracle")
         dual = oracle and "+dual" in n
         follow = n.startswith("anneal") and "follow" in split_name(n)[1]
-        pols[n] = make_policy(
-            n,
-            setup,
+        kw = dict(
             anneal_config=anneal_config,
             window=(
                 dual_window
@@ -745,6 +757,7 @@ def simulate(
             **(dict(spread=now_spread) if "+now" in n else {}),
             **(dict(follow_admit=follow_admit) if follow and follow_admit is not None else {}),
         )
+        pols[n] = make_policy(n, setup, **{**kw, **(policy_kwargs or {}).get(n, {})})
     n_steps = min(steps or trace.steps, trace.steps)
     horizon = max([getattr(p, "horizon", 1) for p in pols.values()] + [1])
     check_memory(setup, min(chunk, n_steps), horizon, len(pols))
