@@ -92,7 +92,7 @@ def test_simulate_refuses_what_cannot_fit_in_memory(capsys, monkeypatch):
     monkeypatch.setattr("jaxkv.simulate.init_state", lambda *a: pytest.fail("allocated"))
     line = error(capsys, ["simulate", "--no-progress", "--prompt-len", "2000000000"])
     assert "the simulation needs at least" in line
-    assert "32 layers x 125,000,128 blocks" in line and "but this machine has" in line
+    assert "32 layers x 125,000,016 blocks" in line and "but this machine has" in line
 
 
 def _write_npz(path, **over):

@@ -577,7 +577,7 @@ def test_simulate_follow_admit_and_ride():
 
 
 def test_modifier_on_wrong_policy():
-    with pytest.raises(ValueError, match=r"modifiers \+aw/\+ec apply to anneal"):
+    with pytest.raises(ValueError, match=r"modifiers \(\+aw\) apply to anneal"):
         run(["lru+aw"])
 
 
