@@ -764,8 +764,7 @@ class Decoder:
         if not self.follows:  # a follow policy's target is followed by the steps' layers
             passed = None  # blocks behind every later step's window leave HBM first
             if self._layer_windows() is not None:
-                c_ = self.cache_config
-                passed = cache.sealed.reshape(c_.num_layers, -1) & ~self._placeable(cache)
+                passed = cache.sealed.reshape(c.num_layers, -1) & ~self._placeable(cache)
             moves = kvc.plan_moves(cache, target, p.max_moves, demote_first=passed)
             cache, moved = kvc.migrate(cache, moves)
         stats = state.statistics.blocks
