@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import anneal, cost
-from jaxkv import trace as tr
+from jaxkv.sim import trace as tr
 from jaxkv.config import AnnealConfig, HardwareProfile
-from jaxkv.trace import read_mask
+from jaxkv.sim.trace import read_mask
 
 
 def main() -> None:

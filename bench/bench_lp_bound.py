@@ -1,12 +1,12 @@
-"""The LP lower bound (jaxkv.lp_bound) against the simulator's bounds and best policies.
+"""The LP lower bound (jaxkv.sim.lp_bound) against the simulator's bounds and best policies.
 
     .venv/bin/python bench/bench_lp_bound.py                 # 4 layers, 512 steps, 952 blocks
     .venv/bin/python bench/bench_lp_bound.py --layers 1 --steps 128 --sparsities 0.6
     # the exact LP (HiGHS) per 128-step window in place of the Lagrangian dual: much slower
     .venv/bin/python bench/bench_lp_bound.py --solver highs --lp-window 128
 
-For every trace and sparsity it runs `jaxkv.simulate.simulate` (anneal-oracle, paper-sa,
-unlimited by default) and `jaxkv.lp_bound.lp_bound_seconds` on the same instance and prints a
+For every trace and sparsity it runs `jaxkv.sim.simulate.simulate` (anneal-oracle, paper-sa,
+unlimited by default) and `jaxkv.sim.lp_bound.lp_bound_seconds` on the same instance and prints a
 markdown table of latency / Unlimited: bound@cache (Belady's fewest link crossings), the LP bound
 (which counts promotions' HBM writes), and the policies.
 """
@@ -21,10 +21,10 @@ import time
 
 import jax
 
-from jaxkv import lp_bound as lpb
-from jaxkv import simulate as sim
-from jaxkv import trace as tr
-from jaxkv.simulate_cli import add_simulation_args, simulation_kwargs
+from jaxkv.sim import lp_bound as lpb
+from jaxkv.sim import simulate as sim
+from jaxkv.sim import trace as tr
+from jaxkv.sim.cli import add_simulation_args, simulation_kwargs
 
 
 def run(spec: str, sparsity: float, names, args) -> dict:
@@ -106,8 +106,8 @@ def main(argv=None) -> int:
         f"W={args.oracle_window} chains={args.chains}"
     )
     print(
-        "# columns after 'unlimited s': latency / Unlimited; bound@cache: jaxkv.bounds; LP "
-        "bound: jaxkv.lp_bound (* = a window LP not solved)"
+        "# columns after 'unlimited s': latency / Unlimited; bound@cache: jaxkv.sim.bounds; LP "
+        "bound: jaxkv.sim.lp_bound (* = a window LP not solved)"
     )
     print(
         "| trace | s | unlimited s | bound@cache | LP bound | "

@@ -19,9 +19,9 @@ import time
 
 import jax
 
-from jaxkv import simulate as sim
-from jaxkv import trace as tr
-from jaxkv.simulate_cli import add_simulation_args, simulation_kwargs
+from jaxkv.sim import simulate as sim
+from jaxkv.sim import trace as tr
+from jaxkv.sim.cli import add_simulation_args, simulation_kwargs
 
 PAPER = ["static", "lru", "page", "paper-sa", "unlimited"]
 OURS = [
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
         + (", plan ms per step: plan_seconds / steps, measured here" if args.with_plan else "")
         + ")"
     )
-    print("# bound@capacity, bound@cache: the lower bounds / Unlimited (jaxkv.bounds)")
+    print("# bound@capacity, bound@cache: the lower bounds / Unlimited (jaxkv.sim.bounds)")
     print(
         "| trace | block | s | "
         + " | ".join(names)

@@ -32,7 +32,6 @@ import math
 import pathlib
 import sys
 import time
-import types
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # bench/ helpers, in-process too
 
@@ -41,12 +40,12 @@ from _progress import tqdm  # noqa: E402  (tqdm, or a stand-in where it is missi
 from bench_simulate import row  # noqa: E402  (its cell: latency (/ Unlimited, hit rate))
 
 from jaxkv import cost  # noqa: E402
-from jaxkv import simulate as sim  # noqa: E402
-from jaxkv import trace as tr  # noqa: E402
-from jaxkv.simulate_cli import add_simulation_args, simulation_kwargs  # noqa: E402
+from jaxkv.sim import simulate as sim  # noqa: E402
+from jaxkv.sim import trace as tr  # noqa: E402
+from jaxkv.sim.cli import add_simulation_args, simulation_kwargs  # noqa: E402
 
 SPARSITIES = (0.4, 0.5, 0.6, 0.8, 0.85, 0.9)
-MAIN_TRACE = "real-like"  # calibrated to a recorded trace (jaxkv.trace): the paper's real trace
+MAIN_TRACE = "real-like"  # calibrated to a recorded trace (jaxkv.sim.trace): the paper's real trace
 VARIATION = ("recency-low", "real-like", "recency-high")  # the paper's low / real / high
 VARIATION_S = 0.6
 PAPER_COLS = ("static", "lru", "page", "paper-sa", "unlimited")
@@ -135,12 +134,11 @@ def pool_blocks(args) -> int:
     if args.capacity_blocks is not None:
         return args.capacity_blocks
     geometry = cost.get_geometry(args.geometry)
-    shape = types.SimpleNamespace(num_layers=geometry.num_layers, block_size=args.block_size)
-    return sim.pool_capacity(shape, geometry, args.hbm_gb * 1e9)[1]
+    return cost.pool_capacity(geometry, args.hbm_gb * 1e9, geometry.num_layers, args.block_size)[1]
 
 
 def sa_grid(text: str):
-    """`W,W,...:R,R,...` -> (lookaheads, fractions), as `jaxkv.simulate.PAPER_SA_GRID`."""
+    """`W,W,...:R,R,...` -> (lookaheads, fractions), as `jaxkv.sim.simulate.PAPER_SA_GRID`."""
     w, r = text.split(":")
     return tuple(int(x) for x in w.split(",")), tuple(float(x) for x in r.split(","))
 

@@ -5,7 +5,7 @@ per-step attention mass of the trace and the read set at a sparsity s (the simul
 top ceil((1 - s) x sealed) blocks by mass), and measures
 
 - re-read within 50 steps: of the (step, block) reads, the fraction read again in the next 50
-  steps (jaxkv.trace.read_stats, the seed's "about 60%");
+  steps (jaxkv.sim.trace.read_stats, the seed's "about 60%");
 - swing ratio: per block, the 95th over the 5th percentile of its mass over the steps (mass
   floored at 1e-6 of a step's total), and the largest step-to-step ratio; the seed claims swings
   over 10x;
@@ -68,7 +68,7 @@ def swings(mass: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def analyse(trace, sparsity: float, steps: int | None = None) -> dict:
     """All the figures' numbers, plus the arrays the plot needs (keys starting with '_')."""
-    from jaxkv.trace import read_mask, read_stats
+    from jaxkv.sim.trace import read_mask, read_stats
 
     n = min(steps or trace.steps, trace.steps)
     dense = np.asarray(trace.mass(0, n))  # [n, layers, N]
@@ -163,7 +163,7 @@ def main(argv=None) -> dict:
     p.add_argument("--layers", type=int, default=4, help="synthetic traces only")
     p.add_argument("--block-size", type=int, default=16, help="synthetic traces only")
     args = p.parse_args(argv)
-    from jaxkv.trace import parse_spec
+    from jaxkv.sim.trace import parse_spec
 
     trace = parse_spec(
         args.trace,

@@ -8,7 +8,7 @@ geometry, prompt, keep-fetched, demotion cost) are refused, since their ratios d
 
 Each panel: one group of bars per sparsity, one bar per policy (latency / Unlimited; a log
 scale above, the band up to --zoom below), the cell's lower bound (the larger of bound@capacity
-and bound@cache, `jaxkv.bounds`) as a black tick over the group, and the 1.03 / 1.10 lines of
+and bound@cache, `jaxkv.sim.bounds`) as a black tick over the group, and the 1.03 / 1.10 lines of
 issue 3's targets. The merged table is printed as markdown (best policy of a row in bold), so
 the figure's numbers can be read.
 

@@ -48,10 +48,10 @@ import numpy as np
 from _progress import tqdm  # tqdm, or a stand-in where it is missing
 
 from jaxkv import cost
-from jaxkv import simulate as sim
-from jaxkv import trace as tr
+from jaxkv.sim import simulate as sim
+from jaxkv.sim import trace as tr
 from jaxkv.config import HardwareProfile
-from jaxkv.simulate_cli import add_simulation_args, simulation_kwargs
+from jaxkv.sim.cli import add_simulation_args, simulation_kwargs
 
 # The seed's published table (theirs; A100 80GB, model and trace not named): tokens/s at 4k,
 # tokens/s at 32k, HBM hit rate. "improved SA" is set beside our online policies.
@@ -138,7 +138,7 @@ def geometry_70b(devices: int) -> tuple[cost.Geometry, float]:
 def static_capacity(trace, sparsity: float, target: float, chunk: int, horizon: int = 0) -> dict:
     """The HBM pool (blocks per layer, the tail block apart) whose Static hit rate over the
     trace's run is nearest `target`, exactly: Static's HBM set is the lowest-index sealed blocks
-    (`jaxkv.simulate.init_state`, new blocks in write order while a slot is free), so its hit
+    (`jaxkv.sim.simulate.init_state`, new blocks in write order while a slot is free), so its hit
     rate at pool c is the share of reads that fall on blocks 0 .. c - 1. `horizon`: the
     lookahead steps `simulate` will take per chunk, so that both share one compiled mass."""
     counts = np.zeros(trace.num_blocks)

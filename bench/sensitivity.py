@@ -1,7 +1,7 @@
 """Sensitivity of placement to every knob, set against the seed's tuning guide (issue 23, item 3).
 
 One knob at a time around a base setting (printed), on the recency-low, recency-high, patterns
-and real-like synthetic traces (`jaxkv.trace`), judged by `jaxkv.simulate`:
+and real-like synthetic traces (`jaxkv.sim.trace`), judged by `jaxkv.sim.simulate`:
   capacity  the HBM pool, 10-90% of the KV footprint (static, lru, paper-sa[10,1.0], anneal)
   window    anneal's fixed window W (steps between plans and their lookahead, as in the seed and
             the decode loop) against the seed's adaptive `+aw` (start 50, +-10, within [20, 100])
@@ -44,8 +44,8 @@ import jax  # noqa: E402
 from _progress import tqdm  # noqa: E402  (tqdm, or a stand-in where it is missing)
 
 from jaxkv import cost  # noqa: E402
-from jaxkv import simulate as sim  # noqa: E402
-from jaxkv import trace as tr  # noqa: E402
+from jaxkv.sim import simulate as sim  # noqa: E402
+from jaxkv.sim import trace as tr  # noqa: E402
 from jaxkv.config import AnnealConfig, HardwareProfile  # noqa: E402
 
 TRACES = ("recency-low", "recency-high", "patterns", "real-like")
@@ -241,7 +241,7 @@ KNOBS = {
     ),
 }
 COMPACTION = (
-    "compaction: not modeled by jaxkv.simulate (no fragmentation: aligned blocks, fungible "
+    "compaction: not modeled by jaxkv.sim.simulate (no fragmentation: aligned blocks, fungible "
     "slots), skipped; modeled in the decode loop as PlacementConfig.compact_every "
     "(the guide's every 1,000 tokens = compact_every ~ 1000 / window windows)"
 )

@@ -13,7 +13,7 @@ import importlib
 import sys
 from importlib.metadata import entry_points
 
-_BUILTIN = {"simulate": "jaxkv.simulate_cli"}
+_BUILTIN = {"simulate": "jaxkv.sim.cli"}
 
 
 def _plugins() -> dict[str, str]:

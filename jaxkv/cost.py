@@ -108,21 +108,6 @@ def capacity_bound_step_time(
     )
 
 
-def window_energy(hbm_load, link_load, *, profile: HardwareProfile, fixed_bytes=0.0):
-    """Sum over a window of max(T_hbm, T_link) from per-step loads (the annealer's energy).
-
-    Args:
-      hbm_load: [..., W] HBM-side bytes per step (reads and migration), without weights.
-      link_load: [..., W] link-side bytes per step.
-      profile: bandwidths.
-      fixed_bytes: bytes added to every step's HBM side (weights + write), scalar.
-    Returns:
-      [...] seconds.
-    """
-    t = layer_step_time(hbm_load, link_load, profile=profile, weight_bytes=fixed_bytes)
-    return jnp.sum(t, axis=-1)
-
-
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     """Model geometry for the cost model.
@@ -216,3 +201,30 @@ def paper_unlimited_seconds(
         hbm_write_bytes=float(geometry.token_bytes),
     )
     return float(jnp.sum(t)) * geometry.num_layers
+
+
+def pool_capacity(
+    geometry: Geometry,
+    hbm_budget: float,
+    num_layers: int,
+    block_size: int,
+    capacity_blocks: int | None = None,
+):
+    """(geometry with `num_layers` layers, HBM pool blocks per layer): `capacity_blocks` when
+    given, else what `hbm_budget` bytes leave for KV after the weights, less the tail block.
+
+    Raises ValueError when the budget leaves no room for one block, or capacity_blocks < 0.
+    """
+    if num_layers != geometry.num_layers:
+        geometry = dataclasses.replace(geometry, num_layers=num_layers)
+    if capacity_blocks is None:
+        capacity_blocks = geometry.hbm_capacity_tokens(hbm_budget) // block_size - 1
+        if capacity_blocks < 0:
+            raise ValueError(
+                f"HBM budget {hbm_budget / 1e9:.3f} GB leaves no room after the "
+                f"{geometry.param_bytes / 1e9:.1f} GB of parameters for one block of "
+                f"{block_size} tokens besides the tail block: expected a larger budget"
+            )
+    if capacity_blocks < 0:
+        raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+    return geometry, capacity_blocks

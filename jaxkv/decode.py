@@ -40,7 +40,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxkv import cache as kvc
 from jaxkv import importance as imp
@@ -239,7 +238,7 @@ class Decoder:
 
     def __init__(
         self,
-        model: nnx.Module,
+        model: Any,
         cache_config: CacheConfig,
         placement: PlacementConfig = PlacementConfig(),
         *,
@@ -261,6 +260,8 @@ class Decoder:
             )
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        from flax import nnx  # the model brings flax; the decode loop itself does not need it
+
         graphdef, params = nnx.split(model)
         profile = HardwareProfile.preset(profile) if isinstance(profile, str) else profile
         values = dict(
@@ -481,7 +482,7 @@ class Decoder:
 
     def _prefill_impl(self, params, prompts, lengths, key) -> DecodeState:
         c = self.cache_config
-        model = nnx.merge(self.graphdef, params)
+        model = _merge(self.graphdef, params)
         logits, k, v = model.prefill(prompts)
         cache = kvc._prefill(
             kvc.TieredKVCache.create(c), k.astype(c.jnp_dtype), v.astype(c.jnp_dtype), lengths
@@ -580,7 +581,7 @@ class Decoder:
         """One decode step; with `plan` (a python bool) it also ends the window: the policy
         plans, between steps and for all layers, and (unless it `follows`) migrates."""
         c, p = self.cache_config, self.placement
-        model = nnx.merge(self.graphdef, params)
+        model = _merge(self.graphdef, params)
         sm = state.sampling
         active = self._active(state)
         attn_len = state.cache.lengths + active.astype(jnp.int32)
@@ -869,3 +870,10 @@ def summarize(
                 else float("nan"),
             )
     return out
+
+
+def _merge(graphdef, params):
+    """The nnx model from its graph and state (flax imported here, where a model exists)."""
+    from flax import nnx
+
+    return nnx.merge(graphdef, params)

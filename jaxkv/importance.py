@@ -13,11 +13,8 @@ of layer l is read at step t of the coming window. Forecasters:
             bin e, last read k steps ago (and, when k = 1, read r steps running) is read
             (`Stats.since_seen` / `since_read`, decayed counts per class), rolled forward over
             the window as a Markov chain on the class (`reuse_forecast`).
-  quest   - the Quest bound q . max(k_min * q, k_max * q) of per-block key summaries and the
-            current query, inside the decode loop: the top-k blocks by bound.
-  learned - a logistic model over per-block features (EMA values, age, steps since last read,
-            position), trained with optax on traces; evaluated by precision / recall of the next
-            window's reads on held-out traces.
+The Quest bound the sparse decode loop ranks blocks by is `jaxkv.attention.quest_scores`; the
+learned (logistic, optax-trained) forecaster is research code: `jaxkv.sim.learned`.
 The statistics are updated once per step by `update_stats`, the same function in the simulator and
 the decode loop.
 """
@@ -29,7 +26,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jaxkv._pytree import pytree_dataclass, static_field
 
@@ -327,173 +323,3 @@ def ema_forecast(read_ema, last_read, step, valid, wmax: int, window=None, recen
     if window is not None:
         p = p * (jnp.arange(wmax) < window)[:, None, None]
     return p
-
-
-def quest_bound(query, k_min, k_max):
-    """Quest upper bound of q . k over each block's keys.
-
-    Args:
-      query: [heads, head_dim] float.
-      k_min, k_max: [N, heads, head_dim] float, per-block channel-wise key min and max (for GQA,
-        repeat the KV heads to the query heads first).
-    Returns:
-      [N] float32, the bound summed over heads.
-    """
-    q = query[None].astype(jnp.float32)
-    return jnp.sum(jnp.maximum(q * k_min, q * k_max), axis=(-1, -2))
-
-
-def quest_forecast(bound, valid, k: int, wmax: int):
-    """Reads predicted by the Quest bound: the top-k valid blocks, at every step of the window.
-
-    Args:
-      bound: [layers, N] float32.
-      valid: [layers, N] bool.
-      k: blocks per layer (static).
-      wmax: rows of the output (static).
-    Returns:
-      [wmax, layers, N] float32.
-    """
-    s = jnp.where(valid, bound, -jnp.inf)
-    _, idx = jax.lax.top_k(s, min(k, s.shape[-1]))
-    top = jnp.zeros(s.shape, jnp.float32).at[jnp.arange(s.shape[0])[:, None], idx].set(1.0)
-    return jnp.broadcast_to((top * valid)[None], (wmax,) + s.shape)
-
-
-# ------------------------------------------------------------------ learned forecaster (optax)
-
-NUM_FEATURES = 6
-
-
-def features(stats: Stats, step, valid, prompt_len: int, block_size: int):
-    """Per-block features: [layers, N, NUM_FEATURES] float32.
-
-    read_ema, mass_ema (scaled by N), log1p(steps since last read) (or a never-read flag), age of
-    the block in tokens (log1p), relative position in the context, a bias.
-    """
-    n = stats.read_ema.shape[-1]
-    since = jnp.where(stats.last_read >= 0, step - stats.last_read, 10_000)
-    pos = jnp.arange(n, dtype=jnp.float32)[None, :] * block_size
-    now = (prompt_len + step).astype(jnp.float32)
-    f = jnp.stack(
-        [
-            stats.read_ema,
-            stats.mass_ema * n,
-            jnp.log1p(since.astype(jnp.float32)) / 10.0,
-            jnp.broadcast_to(jnp.log1p(jnp.maximum(now - pos, 0.0)) / 12.0, stats.read_ema.shape),
-            jnp.broadcast_to(pos / jnp.maximum(now, 1.0), stats.read_ema.shape),
-            jnp.ones_like(stats.read_ema),
-        ],
-        axis=-1,
-    )
-    return jnp.where(valid[..., None], f, 0.0)
-
-
-def learned_forecast(params, feats, valid, wmax: int, window=None):
-    """P(read per step) from a logistic model, flat over the window: [wmax, layers, N] float32.
-
-    Args:
-      params: {"w": [NUM_FEATURES], "b": []} float32.
-      feats: [layers, N, NUM_FEATURES] from `features`.
-      valid: [layers, N] bool.
-      wmax: rows (static); window: active rows.
-    """
-    p = jax.nn.sigmoid(feats @ params["w"] + params["b"]) * valid
-    out = jnp.broadcast_to(p[None], (wmax,) + p.shape)
-    if window is not None:
-        out = out * (jnp.arange(wmax) < window)[:, None, None]
-    return out
-
-
-def collect_examples(trace, sparsity: float, window: int = 50, max_steps: int | None = None):
-    """Runs the statistics over a trace and pairs each window boundary's features with the
-    fraction of the next window's steps that read each block.
-
-    Returns:
-      (x [examples, NUM_FEATURES] float32, y [examples] float32), valid blocks only.
-    """
-    from jaxkv.trace import read_mask
-
-    steps = min(max_steps or trace.steps, trace.steps)
-    stats = init_stats(trace.num_layers, trace.num_blocks)
-    xs, ys = [], []
-    for t0 in range(0, steps - window + 1, window):
-        mass = trace.mass(t0, window)
-        reads = read_mask(mass, trace.prompt_len, trace.block_size, sparsity, t0)
-        valid = sealed_mask(trace, t0)
-        if t0 > 0:
-            f = features(stats, jnp.int32(t0), valid, trace.prompt_len, trace.block_size)
-            freq = jnp.mean(reads.astype(jnp.float32), axis=0)
-            v = np.asarray(valid)
-            xs.append(np.asarray(f)[v])
-            ys.append(np.asarray(freq)[v])
-        stats = _fold(stats, reads, mass, jnp.int32(t0))
-    if not xs:
-        raise ValueError(f"trace has {steps} steps, expected at least {2 * window} to train on")
-    return np.concatenate(xs), np.concatenate(ys)
-
-
-@jax.jit
-def _fold(stats, reads, mass, t0):
-    def body(s, inp):
-        r, m, t = inp
-        return update_stats(s, r, m, t), None
-
-    ts = t0 + jnp.arange(reads.shape[0], dtype=jnp.int32)
-    return jax.lax.scan(body, stats, (reads, mass, ts))[0]
-
-
-def sealed_mask(trace, step: int):
-    """[layers, N] bool: blocks sealed (placeable) at `step`."""
-    sealed = (trace.prompt_len + step) // trace.block_size
-    return jnp.broadcast_to(
-        jnp.arange(trace.num_blocks) < sealed, (trace.num_layers, trace.num_blocks)
-    )
-
-
-def train_learned(x, y, *, steps: int = 300, learning_rate: float = 0.05, seed: int = 0):
-    """Fits the logistic forecaster with optax (Adam, cross-entropy on read frequencies).
-
-    Args:
-      x: [examples, NUM_FEATURES] float32; y: [examples] float32 in [0, 1].
-    Returns:
-      params {"w": [NUM_FEATURES], "b": []}.
-    """
-    params = {"w": jnp.zeros((NUM_FEATURES,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
-    opt = optax.adam(learning_rate)
-    x, y = jnp.asarray(x), jnp.asarray(y)
-
-    def loss(p):
-        logits = x @ p["w"] + p["b"]
-        return jnp.mean(optax.sigmoid_binary_cross_entropy(logits, y))
-
-    @jax.jit
-    def fit(params):
-        def body(carry, _):
-            p, s = carry
-            g = jax.grad(loss)(p)
-            u, s = opt.update(g, s, p)
-            return (optax.apply_updates(p, u), s), None
-
-        return jax.lax.scan(body, (params, opt.init(params)), None, length=steps)[0][0]
-
-    del seed  # deterministic: zero init, full-batch Adam
-    return fit(params)
-
-
-@functools.partial(jax.jit, static_argnames=("window", "threshold"))
-def precision_recall(params, x, y, window: int = 50, threshold: float = 1.0):
-    """Precision and recall of "read in the next window" predictions.
-
-    Args:
-      params: the logistic model; x: [examples, NUM_FEATURES]; y: [examples] read frequencies.
-      window: steps per window; a block is predicted read when its expected reads over the
-        window (per-step probability x window) reach `threshold`.
-    Returns:
-      (precision, recall) float32 scalars.
-    """
-    p = jax.nn.sigmoid(x @ params["w"] + params["b"])
-    pred = p * window >= threshold
-    truth = y > 0
-    tp = jnp.sum(pred & truth)
-    return tp / jnp.maximum(jnp.sum(pred), 1), tp / jnp.maximum(jnp.sum(truth), 1)

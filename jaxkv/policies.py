@@ -44,7 +44,7 @@ class Observation:
     since_read: jax.Array | None = None
     streak: jax.Array | None = None  # [layers, N] int32: run lengths (`importance.Stats.streak`)
     # [W, layers, N] float32 seconds: what leaving each block on host after each of the next
-    # steps costs later, priced by the LP's dual (`jaxkv.lp_bound.dual_values`), if known
+    # steps costs later, priced by the LP's dual (`jaxkv.sim.lp_bound.dual_values`), if known
     value_to_go: jax.Array | None = None
     capacity: int = static_field(default=0)  # HBM pool slots per layer
 
@@ -246,7 +246,7 @@ class PaperSA:
     Every `window` steps: score each block by sum over the next `lookahead` steps of
     read / offset; promote the top `fraction` (R) of the host blocks that will be read, evict HBM
     blocks not read within the lookahead; when HBM is short, the highest scores win. The paper
-    tunes (W, R) by annealing over whole runs with perfect knowledge; `jaxkv.simulate` tunes them
+    tunes (W, R) by annealing over whole runs with perfect knowledge; `jaxkv.sim.simulate` tunes them
     by exhaustive search over a small grid (see `simulate.PAPER_SA_GRID`).
     """
 
@@ -352,7 +352,7 @@ class Anneal:
       whose pool holds every valid block gets none: nothing is ever evicted for another block
       there, and the value only kept the plan from demoting blocks to feed an idle link (the
       CLI's llama3-8b default, recency-low 0.6, 256 steps: 1.085 x Unlimited, 1.000 without).
-      0 = off; the simulator's anneal-oracle uses 30 steps (`jaxkv.simulate`'s `oracle_tail`).
+      0 = off; the simulator's anneal-oracle uses 30 steps (`jaxkv.sim.simulate`'s `oracle_tail`).
     overflow_value: with a tail, the terminal value of a layer whose pool the window's first
       step overflows (it reads more blocks than the pool holds), or whose first step the current
       placement leaves link-bound by `overflow_link_ratio` (its host reads take that many times
@@ -393,7 +393,7 @@ class Anneal:
       0.5, recency-low 0.6, patterns 0.6 and 0.8, and leaves the cells no placement balances
       (s = 0.4, recency-high) as they were (bench/RESULTS.md). 0 = off.
     dual: with the oracle forecast, the terminal value of every block is obs.value_to_go at the
-      window's last step (`jaxkv.lp_bound.dual_values`: the block's cost after the window on host
+      window's last step (`jaxkv.sim.lp_bound.dual_values`: the block's cost after the window on host
       over in HBM, from the LP relaxation of the whole run priced by its Lagrangian dual) in
       place of `tail` / `overflow_value`. The window's energy sets the balance of the steps the
       plan sees; the dual's prices say which blocks are worth their slot after it: how often a
@@ -549,7 +549,7 @@ class Anneal:
                 got = None if obs.value_to_go is None else tuple(obs.value_to_go.shape)
                 raise ValueError(
                     f"policy {self.name!r} (dual=True) needs obs.value_to_go of shape "
-                    f"[>= {h}, layers, N] (`jaxkv.lp_bound.dual_values`); got {got}"
+                    f"[>= {h}, layers, N] (`jaxkv.sim.lp_bound.dual_values`); got {got}"
                 )
             dual = jnp.where(obs.valid, obs.value_to_go[h - 1], 0.0)
         if not self.tail:
@@ -715,13 +715,15 @@ class Anneal:
         elif self.forecast in ("ema", "reuse"):
             a = self._online_forecast(obs, obs.step, h)
         else:
+            from jaxkv.sim import learned as lrn  # research code, off the runtime's imports
+
             stats = imp.Stats(obs.last_read, obs.read_ema, obs.mass_ema, obs.read_ema)
-            feats = imp.features(stats, obs.step, obs.valid, self.prompt_len, self.block_size)
+            feats = lrn.features(stats, obs.step, obs.valid, self.prompt_len, self.block_size)
             params = {
                 "w": jnp.asarray(self.learned[:-1], jnp.float32),
                 "b": jnp.float32(self.learned[-1]),
             }
-            a = imp.learned_forecast(params, feats, obs.valid, h)
+            a = lrn.learned_forecast(params, feats, obs.valid, h)
         compensations = state.compensations
         if wr is not None and self.compensate:
             err = jnp.sum(jnp.abs(wr - state.prev_expected)) / jnp.maximum(jnp.sum(wr), 1.0)
@@ -796,7 +798,7 @@ class Anneal:
 
 @dataclasses.dataclass(frozen=True)
 class Unlimited:
-    """The Unlimited-HBM bound. It is not a placement: `jaxkv.simulate` computes it with
+    """The Unlimited-HBM bound. It is not a placement: `jaxkv.sim.simulate` computes it with
     `jaxkv.cost.unlimited_step_time`; planning with it raises ValueError."""
 
     name: str = "unlimited"

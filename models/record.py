@@ -2,7 +2,7 @@
 
 Decodes a prompt with a model over a TieredKVCache and writes, for every decode step and layer,
 the blocks the step attended to and their attention mass (averaged over query heads, summed over
-each block's tokens) in the simulator's .npz format (`jaxkv.trace`, version 1). With
+each block's tokens) in the simulator's .npz format (`jaxkv.sim.trace`, version 1). With
 `--sparsity 0` (exact attention) every block of the context is recorded; with `--sparsity S`
 decoding reads only the top (1 - S) fraction of blocks by the Quest bound (plus sink and recent
 blocks) and the trace holds those read sets.
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from jaxkv import trace as kvtrace
+from jaxkv.sim import trace as kvtrace
 from jaxkv.config import CacheConfig, PlacementConfig, check_number
 from jaxkv.decode import Decoder
 from models.generate import check_model_spec, encode, load_model

@@ -8,6 +8,17 @@ from jaxkv import cache as kvc
 from jaxkv.config import CacheConfig
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled():
+    """Drop jax's compiled executables after each test module: a pytest-xdist worker otherwise
+    keeps every program the suite ever compiled (CI's workers ran for 20+ minutes)."""
+    yield
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """(model, params) of the tiny random-init Llama."""
@@ -68,7 +79,7 @@ def random_block_trace(seed, steps=12, layers=2, k=10, prompt=40, block_size=4):
     context, exponential attention mass (the simulator's property tests)."""
     import numpy as np
 
-    from jaxkv import trace as tr
+    from jaxkv.sim import trace as tr
 
     rng = np.random.default_rng(seed)
     ids = np.full((steps, layers, k), -1, np.int32)

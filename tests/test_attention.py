@@ -247,3 +247,26 @@ def test_window_pallas_matches_xla_in_interpreter():
         np.testing.assert_allclose(a, b, atol=5e-5, rtol=5e-5)
         assert (np.asarray(sa.read_host) == np.asarray(sb.read_host)).all()
         assert not np.asarray(sa.read_hbm | sa.read_host)[0, :3].any()  # 100 - 41 = 59
+
+
+def test_quest_scores_upper_bound_every_key():
+    """The Quest bound of a block is >= the best logit of any of its keys, per sequence (GQA:
+    4 query heads over 2 KV heads), and equal to it for a block of one token."""
+    from jaxkv.attention import quest_scores
+
+    rng = np.random.default_rng(0)
+    B, M, T, KV, G, D = 2, 5, 4, 2, 2, 8
+    keys = rng.normal(size=(B, M, T, KV, D)).astype(np.float32)
+    q = rng.normal(size=(B, KV * G, D)).astype(np.float32)
+    bound = np.asarray(quest_scores(jnp.asarray(q), keys.min(2), keys.max(2)))
+    qg = q.reshape(B, KV, G, D)
+    exact = np.einsum("bmtkd,bkgd->bmtkg", keys, qg).max(2).sum((-1, -2))  # [B, M]
+    assert bound.shape == (B, M)
+    assert (bound >= exact - 1e-4).all()
+    one = keys[:, :, :1]
+    np.testing.assert_allclose(
+        np.asarray(quest_scores(jnp.asarray(q), one.min(2), one.max(2))),
+        np.einsum("bmtkd,bkgd->bmtkg", one, qg).max(2).sum((-1, -2)),
+        rtol=1e-5,
+        atol=1e-5,
+    )

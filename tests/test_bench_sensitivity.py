@@ -119,7 +119,7 @@ def test_every_knob_table_verdict_and_panel(tmp_path, quick):
 def test_settings_reach_the_policy():
     """The knobs simulate does not expose reach Anneal through simulate(policy_kwargs=), and
     bad policy_kwargs are refused before any work."""
-    from jaxkv import simulate as sim
+    from jaxkv.sim import simulate as sim
     from jaxkv.config import PROFILES
 
     setup = sim.Setup(64, 16, 1, 8, 4, 16384, 1.6e8, PROFILES["gh200-paper"])

@@ -8,12 +8,12 @@ from conftest import random_block_trace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxkv import bounds as bnd
+from jaxkv.sim import bounds as bnd
 from jaxkv import cost
-from jaxkv import simulate as sim
-from jaxkv import trace as tr
+from jaxkv.sim import simulate as sim
+from jaxkv.sim import trace as tr
 from jaxkv.config import AnnealConfig, HardwareProfile
-from jaxkv.simulate_cli import format_table
+from jaxkv.sim.cli import format_table
 
 PROF = HardwareProfile("t", 10.0, 1.0, 1e9)  # bytes per second: HBM 10, link 1
 GEO = cost.Geometry("t", 1, 1, 1, 2, 10.0, 0.0)  # 4 bytes per token-layer, 10 bytes of weights

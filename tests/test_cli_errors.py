@@ -10,8 +10,9 @@ import pytest
 import models.demo
 import models.generate
 import models.record
-from jaxkv import cli, simulate_cli
-from jaxkv import trace as tr
+from jaxkv import cli
+from jaxkv.sim import cli as simulate_cli
+from jaxkv.sim import trace as tr
 
 
 @pytest.fixture
@@ -89,7 +90,7 @@ def test_simulate_refuses_sizes_with_a_file_trace(capsys, no_work, tmp_path):
 
 def test_simulate_refuses_what_cannot_fit_in_memory(capsys, monkeypatch):
     """A prompt of 2e9 tokens ran for seconds and ended in XLA's out-of-memory error."""
-    monkeypatch.setattr("jaxkv.simulate.init_state", lambda *a: pytest.fail("allocated"))
+    monkeypatch.setattr("jaxkv.sim.simulate.init_state", lambda *a: pytest.fail("allocated"))
     line = error(capsys, ["simulate", "--no-progress", "--prompt-len", "2000000000"])
     assert "the simulation needs at least" in line
     assert "32 layers x 125,000,016 blocks" in line and "but this machine has" in line
@@ -149,7 +150,7 @@ def test_simulate_trace_file_problems(capsys, tmp_path):
 
 def test_simulate_refuses_a_file_trace_that_cannot_fit(capsys, monkeypatch, tmp_path):
     """A recorded trace whose context is too long for memory is refused before allocating."""
-    monkeypatch.setattr("jaxkv.simulate.init_state", lambda *a: pytest.fail("allocated"))
+    monkeypatch.setattr("jaxkv.sim.simulate.init_state", lambda *a: pytest.fail("allocated"))
     path = _write_npz(
         tmp_path / "long.npz",
         prompt_len=np.int64(2_000_000_000),

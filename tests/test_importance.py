@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jaxkv import importance as imp
-from jaxkv import trace as tr
+from jaxkv.sim import learned as lrn
+from jaxkv.sim import trace as tr
 
 
 def test_update_stats():
@@ -261,18 +262,6 @@ def test_ema_forecast_is_a_probability_and_respects_validity():
     assert f[0, 0, 0] > f[2, 0, 0]  # the recency boost decays over the window
 
 
-def test_quest_bound_upper_bounds_every_key():
-    rng = np.random.default_rng(0)
-    keys = rng.normal(size=(5, 4, 2, 8)).astype(np.float32)  # [N, block, heads, dim]
-    q = rng.normal(size=(2, 8)).astype(np.float32)
-    bound = np.asarray(imp.quest_bound(jnp.asarray(q), keys.min(1), keys.max(1)))
-    exact = np.einsum("nbhd,hd->nbh", keys, q).max(1).sum(-1)
-    assert (bound >= exact - 1e-5).all()
-    f = np.asarray(imp.quest_forecast(jnp.asarray(bound)[None], jnp.ones((1, 5), bool), 2, 3))
-    assert f.shape == (3, 1, 5) and (f.sum(-1) == 2).all()
-    assert f[0, 0, np.argmax(bound)] == 1
-
-
 def test_learned_forecaster_beats_the_base_rate_on_held_out_trace():
     train = tr.SyntheticTrace(
         "patterns", prompt_len=1500, steps=200, num_layers=2, block_size=16, seed=1
@@ -280,16 +269,16 @@ def test_learned_forecaster_beats_the_base_rate_on_held_out_trace():
     test = tr.SyntheticTrace(
         "patterns", prompt_len=1500, steps=200, num_layers=2, block_size=16, seed=2
     )
-    x, y = imp.collect_examples(train, 0.8, window=25)
-    params = imp.train_learned(x, y, steps=200)
-    xt, yt = imp.collect_examples(test, 0.8, window=25)
+    x, y = lrn.collect_examples(train, 0.8, window=25)
+    params = lrn.train_learned(x, y, steps=200)
+    xt, yt = lrn.collect_examples(test, 0.8, window=25)
     base = float(np.mean(yt > 0))
-    prec, rec = imp.precision_recall(
+    prec, rec = lrn.precision_recall(
         params, jnp.asarray(xt), jnp.asarray(yt), window=25, threshold=2.0
     )
     assert float(prec) > base + 0.2 and float(rec) > 0.6, (float(prec), float(rec), base)
     # the loss went down from the all-zero model
-    zero = {"w": jnp.zeros(imp.NUM_FEATURES), "b": jnp.zeros(())}
+    zero = {"w": jnp.zeros(lrn.NUM_FEATURES), "b": jnp.zeros(())}
 
     def loss(p):
         return float(jnp.mean(jax.nn.softplus(xt @ p["w"] + p["b"]) - yt * (xt @ p["w"] + p["b"])))

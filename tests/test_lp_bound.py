@@ -8,9 +8,9 @@ import scipy.optimize
 from conftest import random_block_trace
 
 from jaxkv import cost
-from jaxkv import lp_bound as lpb
-from jaxkv import simulate as sim
-from jaxkv import trace as tr
+from jaxkv.sim import lp_bound as lpb
+from jaxkv.sim import simulate as sim
+from jaxkv.sim import trace as tr
 from jaxkv.config import AnnealConfig, HardwareProfile
 
 TOL = 1e-6
@@ -36,7 +36,7 @@ def brute_force(
     write=1.0,
 ):
     """Least latency of one layer over every placement schedule, re-planned at every step, with
-    the simulator's rules (written from `jaxkv.simulate.run_chunk`, independently of the LP):
+    the simulator's rules (written from `jaxkv.sim.simulate.run_chunk`, independently of the LP):
     before step t the block sealed at t joins HBM if the pool has a free slot; the plan then
     picks any set S_t of <= C sealed blocks; each promotion costs `write` blocks on the HBM side
     and a link read unless step t reads it (the ride: that read is then a host read) or, with
@@ -163,7 +163,7 @@ def vertex(case, **kw):
 
 
 def test_brute_force_is_the_simulators_optimum():
-    """The brute force models `jaxkv.simulate`: no simulated policy beats it, and anneal-oracle
+    """The brute force models `jaxkv.sim.simulate`: no simulated policy beats it, and anneal-oracle
     (its own accounting, the simulator's) reaches it exactly on some instances."""
     rng = np.random.default_rng(21)
     reached = 0

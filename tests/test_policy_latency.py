@@ -1,6 +1,6 @@
 """Hand-computed latencies of page, paper-sa, anneal-oracle and anneal on tiny traces.
 
-Cost model (jaxkv.simulate, jaxkv.cost) with PROF (HBM 10 B/s, link 1 B/s) and GEO (4 bytes per
+Cost model (jaxkv.sim.simulate, jaxkv.cost) with PROF (HBM 10 B/s, link 1 B/s) and GEO (4 bytes per
 token-layer, 10 bytes of weights), one layer: per step
   HBM  = weights 10 + write 4 + tail 4 x (tokens in the unsealed block) + HBM-resident reads
          + promotions x block bytes                                          (/ 10 B/s)
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from jaxkv import cost
-from jaxkv import simulate as sim
-from jaxkv import trace as tr
+from jaxkv.sim import simulate as sim
+from jaxkv.sim import trace as tr
 from jaxkv.config import AnnealConfig, HardwareProfile
 
 PROF = HardwareProfile("t", 10.0, 1.0, 1e9)  # bytes per second: HBM 10, link 1

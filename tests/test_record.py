@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from jaxkv import cli
-from jaxkv import trace as kvtrace
+from jaxkv.sim import trace as kvtrace
 from models.record import check_writable, record_trace, save_atomic
 
 

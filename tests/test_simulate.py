@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from jaxkv import cli, cost
 from jaxkv import policies as pol
-from jaxkv import simulate as sim
-from jaxkv import trace as tr
+from jaxkv.sim import simulate as sim
+from jaxkv.sim import trace as tr
 from jaxkv.config import AnnealConfig, HardwareProfile
 
 PROF = HardwareProfile("t", 10.0, 1.0, 1e9)  # bytes per second: HBM 10, link 1
@@ -183,7 +183,7 @@ def test_cli_defaults_show_the_papers_regime():
     about half the KV at the 31,299-token prompt (Llama-3.1-8B's KV fits whole: one flag away),
     and the table's first line says so."""
     from jaxkv import cost
-    from jaxkv.simulate_cli import TRACE_SIZE, regime_line
+    from jaxkv.sim.cli import TRACE_SIZE, regime_line
 
     args = cli.build_parser().parse_args(["simulate"])
     assert args.geometry == "paper" and args.hbm_gb == cost.PAPER_HBM_BUDGET / 1e9
@@ -287,7 +287,7 @@ def test_dual_oracle_runs_on_the_dual_values_and_reports_their_time():
     # oracle plans as with no terminal value;
     # priced far above a step on the blocks the prompt left in HBM (0 .. 2), it keeps them and
     # moves fewer blocks
-    import jaxkv.lp_bound as lpb
+    import jaxkv.sim.lp_bound as lpb
 
     def patched(scale):
         def values(*a, **k):
@@ -651,7 +651,7 @@ def test_policies_must_be_a_nonempty_list():
 def test_budget_below_one_block_is_named():
     geo = cost.Geometry("t", 1, 1, 1, 2, 10.0, 0.0)
     with pytest.raises(ValueError, match="leaves no room after the .* for one block"):
-        sim.pool_capacity(tiny_trace(), geo, hbm_budget=geo.param_bytes + 1.0)
+        cost.pool_capacity(geo, geo.param_bytes + 1.0, 1, tiny_trace().block_size)
 
 
 def test_memory_check_names_both_figures(monkeypatch):

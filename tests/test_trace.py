@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxkv import trace as tr
+from jaxkv.sim import trace as tr
 
 
 def fields(**over):

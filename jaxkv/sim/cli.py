@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 from jaxkv import cost
-from jaxkv import trace as tr
+from jaxkv.sim import trace as tr
 from jaxkv.config import AnnealConfig, HardwareProfile, check_number
-from jaxkv.simulate import (
+from jaxkv.sim.simulate import (
     ARG_BOUNDS,
     DUAL_WINDOW,
     FOLLOW_WINDOW,
@@ -17,7 +17,7 @@ from jaxkv.simulate import (
     simulate,
 )
 
-# the sizes of a synthetic trace (`jaxkv.trace.SyntheticTrace`) by default
+# the sizes of a synthetic trace (`jaxkv.sim.trace.SyntheticTrace`) by default
 TRACE_SIZE = {"prompt_len": 31_299, "steps": 2_048, "layers": 32, "block_size": 16}
 DEFAULT_GEOMETRY = "paper"  # `jaxkv simulate`'s: the paper's regime (see add_cli)
 # `jaxkv simulate`'s own step count: a few minutes on 2 CPU cores with the default policies
@@ -132,7 +132,7 @@ def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> 
         type=int,
         default=DUAL_WINDOW,
         help="anneal-oracle+dual lookahead W (its blocks' value after the window comes from the "
-        "LP dual: jaxkv.lp_bound.dual_values)",
+        "LP dual: jaxkv.sim.lp_bound.dual_values)",
     )
     p.add_argument(
         "--follow-window",

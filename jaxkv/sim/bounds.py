@@ -51,7 +51,7 @@ overstate the bound: a prefetch into such a step uses its idle link and costs on
 write (tests/test_bounds.py::test_weight_dominated_steps_lend_their_link_time). The same
 argument with the per-step capacity bound c_t >= u_t in place of u_t gives
 max(sum_t c_t, F_l b / B_link): the "best" bound. Both are lower bounds on every policy's
-latency in `jaxkv.simulate` (tests/test_bounds.py).
+latency in `jaxkv.sim.simulate` (tests/test_bounds.py).
 """
 
 from __future__ import annotations

@@ -42,12 +42,12 @@ takes `+visits` (a diagnostic: the oracle told only
 how long each visit in progress lasts, not when one starts, `importance.visits_forecast`: how
 much of the online planners' gap no forecast of visit lengths can close) and `+dual` (the value
 of a block after the oracle's window from the LP relaxation's dual prices over the whole run,
-`jaxkv.lp_bound.dual_values`, in place of Belady's next read; solved once before the run).
+`jaxkv.sim.lp_bound.dual_values`, in place of Belady's next read; solved once before the run).
 `paper-sa` runs every (lookahead, fraction) pair of `PAPER_SA_GRID` and reports the best (the
 oracle tuning of its two knobs). `unlimited` is the bound of `jaxkv.cost.unlimited_step_time`.
 
 Lower bounds (result["bounds"]): Unlimited; the capacity bound (`cost.capacity_bound_step_time`,
-free re-placement before every step); and the cache bound (`jaxkv.bounds`): a block not in HBM
+free re-placement before every step); and the cache bound (`jaxkv.sim.bounds`): a block not in HBM
 must cross the link before HBM can serve it, Belady's rule with bypass gives the fewest crossings
 F_l any placement needs per layer, and a layer's latency is at least max(Unlimited, F_l x block
 bytes / B_link) (best_s: the capacity bound in place of Unlimited). On traces whose read set
@@ -56,7 +56,7 @@ churns this crossing traffic, not the capacity, is what limits every policy.
 Planning is not part of `latency_s` (the model's decode time); `plan_seconds` is the compiled
 plan time measured on the present device times the number of plans, and
 `vs_unlimited_with_plan` charges it serially (planning on the critical path, no overlap).
-The command line (`jaxkv simulate`) is in `jaxkv.simulate_cli`.
+The command line (`jaxkv simulate`) is in `jaxkv.sim.cli`.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import bounds as bnd
+from jaxkv.sim import bounds as bnd
 from jaxkv import cost
 from jaxkv import importance as imp
 from jaxkv._pytree import pytree_dataclass, static_field
@@ -89,7 +89,7 @@ from jaxkv.policies import (
     moves_mask,
     split_name,
 )
-from jaxkv.trace import read_mask
+from jaxkv.sim.trace import read_mask
 
 PAPER_SA_GRID = ((2, 10, 50), (0.5, 1.0))  # lookahead W values, fraction R values
 NEVER = 1 << 30
@@ -196,7 +196,7 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0, va
       mass: [chunk + H, layers, N] float32, attention mass of these steps and the next H.
       t0: [] int32.
       values: [chunk + H, layers, N] float32 seconds, the LP dual's value-to-go of these steps
-        and the next H (`jaxkv.lp_bound.trace_dual_values`), for policies with `needs_values`.
+        and the next H (`jaxkv.sim.lp_bound.trace_dual_values`), for policies with `needs_values`.
     Returns:
       SimState.
     """
@@ -564,24 +564,6 @@ def available_memory() -> int:
         return 0
 
 
-def pool_capacity(trace, geometry: cost.Geometry, hbm_budget: float, capacity_blocks=None):
-    """(geometry with the trace's layer count, HBM pool blocks per layer): `capacity_blocks`
-    when given, else what the budget leaves for KV after the weights, less the tail block."""
-    if trace.num_layers != geometry.num_layers:
-        geometry = dataclasses.replace(geometry, num_layers=trace.num_layers)
-    if capacity_blocks is None:
-        capacity_blocks = geometry.hbm_capacity_tokens(hbm_budget) // trace.block_size - 1
-        if capacity_blocks < 0:
-            raise ValueError(
-                f"HBM budget {hbm_budget / 1e9:.3f} GB leaves no room after the "
-                f"{geometry.param_bytes / 1e9:.1f} GB of parameters for one block of "
-                f"{trace.block_size} tokens besides the tail block: expected a larger budget"
-            )
-    if capacity_blocks < 0:
-        raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
-    return geometry, capacity_blocks
-
-
 def simulate(
     trace,
     policies,
@@ -618,7 +600,7 @@ def simulate(
     """Runs every policy over the trace and returns the table.
 
     Args:
-      trace: a FileTrace or SyntheticTrace (`jaxkv.trace`).
+      trace: a FileTrace or SyntheticTrace (`jaxkv.sim.trace`).
       policies: names (see the module docstring).
       profile, geometry: cost model.
       sparsity: s in [0, 1).
@@ -669,7 +651,7 @@ def simulate(
       Bounds (lower bounds on every policy's latency_s, seconds summed over layers):
       unlimited_s (`cost.unlimited_step_time`), capacity_s (`cost.capacity_bound_step_time`),
       cache_s (Unlimited or the fewest link crossings x block bytes / B_link, whichever is
-      larger, per layer: `jaxkv.bounds`), best_s (the same with the capacity bound in place of
+      larger, per layer: `jaxkv.sim.bounds`), best_s (the same with the capacity bound in place of
       Unlimited, >= both), cache_crossings (the fewest crossings, per layer), cache_note (why
       cache_s is None, else absent) and cache_wall_s (seconds spent on the cache bound: packing
       the reads and Belady).
@@ -717,7 +699,9 @@ def simulate(
 
         if follow_admit not in FOLLOW_ADMITS:
             raise ValueError(f"follow_admit must be one of {FOLLOW_ADMITS}, got {follow_admit!r}")
-    geometry, capacity_blocks = pool_capacity(trace, geometry, hbm_budget, capacity_blocks)
+    geometry, capacity_blocks = cost.pool_capacity(
+        geometry, hbm_budget, trace.num_layers, trace.block_size, capacity_blocks
+    )
     setup = Setup(
         trace.prompt_len,
         trace.block_size,
@@ -772,7 +756,7 @@ def simulate(
     bound_wall = 0.0
     values, dual_wall = None, 0.0
     if any(getattr(p, "needs_values", False) for p in pols.values()):
-        from jaxkv import lp_bound  # imports this module
+        from jaxkv.sim import lp_bound  # imports this module
 
         w0 = time.perf_counter()
         values = lp_bound.trace_dual_values(

@@ -1,6 +1,6 @@
-"""A linear-programming lower bound on `jaxkv.simulate`'s latency that counts promotion writes.
+"""A linear-programming lower bound on `jaxkv.sim.simulate`'s latency that counts promotion writes.
 
-The bounds of `jaxkv.bounds` ignore the HBM write every promotion costs, so on traces whose read
+The bounds of `jaxkv.sim.bounds` ignore the HBM write every promotion costs, so on traces whose read
 set churns they sit at the Unlimited bound while every policy pays for its promotions. Here the
 placement problem, exactly as the simulator charges it, is relaxed to a linear program per layer,
 whose optimum is at most every policy's latency; the LP is solved with HiGHS
@@ -32,7 +32,7 @@ reads or writes in HBM besides the placed blocks. Constraints:
   (5) tau_t >= HBM_t, tau_t >= link_t x B_hbm / B_link.
 Minimize sum_t tau_t; the bound is sum_t tau_t x b / B_hbm seconds, summed over layers.
 
-Why no policy beats it: take any policy's run of `jaxkv.simulate` and one layer. Let y[t] be its
+Why no policy beats it: take any policy's run of `jaxkv.sim.simulate` and one layer. Let y[t] be its
 HBM set during step t, p[t] = y[t] minus the set before the step's plan (`pro`), d[t] = the set
 before the plan minus y[t] (`dem`). (1) holds: a plan's target has at most C blocks
 (`policies.Policy`, `top_capacity`, the annealer) and a sealed block is inserted only into a free
@@ -108,11 +108,10 @@ import numpy as np
 import scipy.optimize
 import scipy.sparse as sp
 
-from jaxkv import bounds as bnd
+from jaxkv.sim import bounds as bnd
 from jaxkv import cost
 from jaxkv.config import HardwareProfile
-from jaxkv.simulate import pool_capacity
-from jaxkv.trace import read_mask
+from jaxkv.sim.trace import read_mask
 
 DEFAULT_ITERS = 200  # L-BFGS-B iterations per temperature of `lagrangian_bound`
 # `dual_values`' ascent: prices for values need not be converged as a bound's multipliers do.
@@ -779,10 +778,12 @@ def trace_reads(trace, sparsity: float, steps: int, layers: Sequence[int], chunk
 
 
 def _trace_inputs(trace, sparsity, geometry, profile, capacity_blocks, hbm_budget, steps, idx):
-    """The per-layer LP's data for a trace, as `jaxkv.simulate` charges it: reads [T, layers,
+    """The per-layer LP's data for a trace, as `jaxkv.sim.simulate` charges it: reads [T, layers,
     N], fixed [T] and the tail block's bytes [T], valid_from, init, rho = B_hbm / B_link, and
     scale (seconds per block unit)."""
-    geometry, capacity_blocks = pool_capacity(trace, geometry, hbm_budget, capacity_blocks)
+    geometry, capacity_blocks = cost.pool_capacity(
+        geometry, hbm_budget, trace.num_layers, trace.block_size, capacity_blocks
+    )
     P, bs, N = trace.prompt_len, trace.block_size, trace.num_blocks
     C = int(min(capacity_blocks, N))
     T = min(steps or trace.steps, trace.steps)
@@ -827,7 +828,7 @@ def trace_dual_values(
     progress: bool = False,
 ) -> np.ndarray:
     """[T, layers, N] float32 seconds: `dual_values` of every layer of a trace, with perfect
-    knowledge of its reads (what `anneal-oracle+dual` in `jaxkv.simulate` takes as the value of
+    knowledge of its reads (what `anneal-oracle+dual` in `jaxkv.sim.simulate` takes as the value of
     a block at the end of its window). Arguments as in `lp_bound_seconds`; window, overlap as in
     `dual_values`."""
     if not 0.0 <= sparsity < 1.0:
@@ -878,10 +879,10 @@ def lp_bound_seconds(
     iters: int = DEFAULT_ITERS,
     progress: bool = False,
 ) -> dict:
-    """The LP lower bound on `jaxkv.simulate`'s latency of every policy, in seconds.
+    """The LP lower bound on `jaxkv.sim.simulate`'s latency of every policy, in seconds.
 
     Args:
-      trace: a FileTrace or SyntheticTrace (`jaxkv.trace`).
+      trace: a FileTrace or SyntheticTrace (`jaxkv.sim.trace`).
       sparsity: s in [0, 1), as in `simulate`.
       geometry, profile: cost model, as in `simulate` (the trace's layer count rules).
       capacity_blocks: HBM pool blocks per layer (None: from hbm_budget, as `simulate` does).

@@ -16,7 +16,7 @@ At step t (0-based) the context holds prompt_len + t + 1 tokens (the new one inc
 are 0 .. ceil((prompt_len + t + 1) / block_size) - 1. K is free (a recorder may keep the top K
 blocks only). `load` rejects a bad file with a ValueError naming the field.
 
-Every trace (file or synthetic) exposes the same duck type used by `jaxkv.simulate`:
+Every trace (file or synthetic) exposes the same duck type used by `jaxkv.sim.simulate`:
   prompt_len, block_size, num_layers, steps, num_blocks (blocks at the end of the trace), name,
   and `mass(t0, n) -> [n, layers, num_blocks] float32` (dense mass of steps t0 .. t0 + n - 1; zero
   beyond each step's context and beyond the trace's last step).
@@ -184,7 +184,7 @@ def load(path) -> FileTrace:
     if not isinstance(z, np.lib.npyio.NpzFile):
         raise ValueError(
             f"trace {str(p)!r}: holds a single array (.npy), expected a .npz archive of the "
-            f"fields {list(_REQUIRED)} (jaxkv.trace.save)"
+            f"fields {list(_REQUIRED)} (jaxkv.sim.trace.save)"
         )
     fields = {}
     with z:
