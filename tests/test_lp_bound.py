@@ -8,10 +8,11 @@ import scipy.optimize
 from conftest import random_block_trace
 
 from jaxkv import cost
+from jaxkv.config import AnnealConfig, HardwareProfile
 from jaxkv.sim import lp_bound as lpb
+from jaxkv.sim import lp_lagrangian as lpl
 from jaxkv.sim import simulate as sim
 from jaxkv.sim import trace as tr
-from jaxkv.config import AnnealConfig, HardwareProfile
 
 TOL = 1e-6
 FAST = AnnealConfig(chains=4, max_iters=100)
@@ -382,7 +383,7 @@ def test_value_to_go_is_the_chain_cost_difference_by_enumeration(demote_cost):
     reads[:, 0] = False  # never read: no chain
     vf = np.array([0, 0, 0, 2, 0])  # block 3 sealed at step 2
     reads[:2, 3] = False
-    blk = lpb._window_blocks(
+    blk = lpl.window_blocks(
         reads,
         np.full(T, 3.0),
         C,
@@ -394,7 +395,7 @@ def test_value_to_go_is_the_chain_cost_difference_by_enumeration(demote_cost):
     z = np.concatenate([r.random(T), r.random(T) * 2.0, np.zeros(T)])
     z[2 * T + 2] = 0.7  # the sealing row's price
     v = lpb.value_to_go(blk, z)
-    a, c, e, _, _ = lpb._chain_costs(z[:T], z[T : 2 * T], z[2 * T :], blk, np)
+    a, c, e, _, _ = lpl.chain_costs(z[:T], z[T : 2 * T], z[2 * T :], blk, np)
     assert v.shape == (T, blk["R"].shape[1])
     for k in range(v.shape[1]):
         for t in range(T):
@@ -409,7 +410,7 @@ def test_value_to_go_by_hand_is_one_link_transfer_before_link_bound_reads():
     # that one: the value of keeping it is one link transfer (rho block-HBM units)
     T, rho = 5, 10.0
     reads = np.ones((T, 1), bool)
-    blk = lpb._window_blocks(reads, np.zeros(T), 1, rho)
+    blk = lpl.window_blocks(reads, np.zeros(T), 1, rho)
     z = np.zeros(3 * T)
     v = lpb.value_to_go(blk, z)
     np.testing.assert_allclose(v[: T - 1, 0], rho)
