@@ -7,7 +7,7 @@ what the decode loop runs), our oracle (`anneal-oracle`) and Unlimited, under th
 geometry and the `gh200-paper` profile on a paper-sized synthetic trace (`real-like`, 31,299
 prompt tokens, the pool of the 32-layer paper setting per layer); then the variation study:
 recency-low / real-like / recency-high at 60%, normalised to Unlimited (Unlimited / latency).
-The paper's published figures (PAPER.md) are printed beside ours with our ratio to theirs, and
+The paper's published figures (docs/paper.md) are printed beside ours with our ratio to theirs, and
 each online policy's ratio to the paper's oracle SA in every cell.
 
     JAX_PLATFORMS=cpu .venv/bin/python bench/paper_table.py   # 8 layers x 384 steps, ~10 CPU min
@@ -53,7 +53,7 @@ ONLINE = ("anneal+reuse", "anneal+reuse+follow")
 POLICIES = ("static", "lru", "page", "paper-sa", *ONLINE, "anneal-oracle", "unlimited")
 LABEL = {"static": "Static", "lru": "Reactive", "page": "Page", "unlimited": "Unlimited"}
 
-# PAPER.md: decode latency (s) for 10,239 steps x 32 layers, LLaMA-3.1-8B, NarrativeQA, GH200
+# docs/paper.md: decode latency (s) for 10,239 steps x 32 layers, LLaMA-3.1-8B, NarrativeQA, GH200
 PAPER_LATENCY = {
     0.4: (189.70, 147.86, 95.91, 40.31, 31.91),
     0.5: (166.80, 117.07, 69.84, 34.25, 28.25),
@@ -63,7 +63,7 @@ PAPER_LATENCY = {
     0.9: (39.51, 15.72, 13.77, 13.64, 13.43),
 }
 PAPER_HIT_60 = {"static": 0.583, "lru": 0.755, "page": 0.887, "paper-sa": 0.913}
-# PAPER.md: Unlimited / latency at 60% (Static / Reactive / Page / SA), per trace
+# docs/paper.md: Unlimited / latency at 60% (Static / Reactive / Page / SA), per trace
 PAPER_VARIATION = {
     "recency-low": (0.149, 0.276, 0.978, 0.986),
     "real-like": (0.176, 0.286, 0.515, 0.957),

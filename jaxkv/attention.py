@@ -30,7 +30,7 @@ from pallas_kernels.blocked_attention import (
 from pallas_kernels.common import hopper_available
 
 IMPLS = ("auto", "xla", "pallas")
-PALLAS_MEASURED_FASTER = False  # no GPU measurement yet (bench/RESULTS.md, Kernels section)
+PALLAS_MEASURED_FASTER = False  # "auto" takes the kernel only when True; unmeasured on a GPU
 
 
 @pytree_dataclass
@@ -225,8 +225,9 @@ def attend_compact(q, k, v, ids, lengths, scale, max_blocks: int, starts=None):
 def resolve_impl(impl: str, config) -> str:
     """The attention implementation for `impl` on this device and cache geometry.
 
-    "auto" stays on the XLA path: the Pallas kernel has not yet been measured faster on a GPU
-    (bench/RESULTS.md); flip `PALLAS_MEASURED_FASTER` once bench_kernels.py shows it is.
+    "auto" takes the Pallas kernel only when `PALLAS_MEASURED_FASTER` is set (default False: the
+    XLA path), the geometry is supported and a Hopper GPU is present; flip it once
+    bench/bench_kernels.py measures the kernel faster (measured: bench/RESULTS.md, kernels).
     "pallas" requires the geometry the kernel supports (block size and head_dim multiples of 16,
     head_dim <= 256; any cache dtype, fp32 as bf16x3 products) and raises ValueError otherwise.
     """

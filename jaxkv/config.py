@@ -280,7 +280,7 @@ PROFILES: dict[str, HardwareProfile] = {
 
 @dataclasses.dataclass(frozen=True)
 class AnnealConfig:
-    """Simulated-annealing schedule (defaults from the seed article)."""
+    """Simulated-annealing schedule (defaults from the seed article: docs/paper.md)."""
 
     chains: int = 32
     max_iters: int = 4000

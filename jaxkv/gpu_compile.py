@@ -8,15 +8,13 @@ in `jaxkv/gpu_specs/*.txtpb`). The plugin only registers when JAX runs with JAX_
 for the "cuda" platform and the StableHLO is compiled on the compile-only client. The result is
 the real optimized, scheduled HLO for sm_90a (autotuning skipped: structure, not speed).
 
-Compile-only devices drop memory kinds, so arguments that live in host memory must be traced as
+Compile-only devices drop memory kinds, so arguments that live in host memory are traced as
 CPU `pinned_host` values: `host_struct` / `abstract` build `jax.ShapeDtypeStruct`s whose aval
-carries `jax.memory.Space.Host` (the `_memory_space` field `ShapeDtypeStruct.like` fills from a
-real pinned_host array), so nothing is allocated. In the compiled HLO those buffers have layouts
-ending in `S(5)` (host memory space).
+carries `jax.memory.Space.Host`, allocating nothing. In the compiled HLO those buffers have
+layouts ending in `S(5)` (host memory space).
 
-`analyze(hlo_text)` reads the optimized HLO text and counts, per call of the program, the GPU
-operations it executes, its host<->device transfers, host compute, and the points where the
-host must wait for the device (see `analyze` for the exact rules).
+`analyze(hlo_text)` counts, per call of the optimized program, its GPU operations, host<->device
+transfers, host compute and the points where the host waits for the device (rules: `analyze`).
 
 Importing this module needs only jax and numpy; the CUDA plugin is needed when a compile is
 requested (`gpu_target`, `compile_for_gpu`), which raises RuntimeError naming the fix otherwise.
@@ -410,13 +408,12 @@ def analyze(hlo_text: str, scope: str | None = None) -> dict:
       conditional: each branch is counted on its own and the elementwise maximum over branches
         is taken (the worst branch per metric); the conditional adds 1 to `conditionals` and to
         `host_syncs`: ConditionalThunk copies the branch index to the host and calls
-        BlockHostUntilDone (xla/backends/gpu/runtime/conditional_thunk.cc). Command buffers
-        (CUDA graphs) would avoid that only for a conditional captured in one; XLA's default
-        `xla_gpu_enable_command_buffer` types are FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL and
-        CUDNN (xla/debug_options_flags.cc: no CONDITIONAL, no WHILE), and in jax 0.12 command
-        buffers are formed on thunks after the HLO (command_buffer_conversion_pass.cc), so the
-        optimized HLO shows none. A conditional inside a computation named `command_buffer*`
-        (XLA's older HLO-level outlining, reached by a `call`) is not counted as a sync.
+        BlockHostUntilDone (xla/backends/gpu/runtime/conditional_thunk.cc). Only a command
+        buffer (CUDA graph) would avoid that, and XLA's default command buffer types include
+        neither CONDITIONAL nor WHILE (xla/debug_options_flags.cc); jax 0.12 forms command
+        buffers on thunks after the HLO (command_buffer_conversion_pass.cc), so the optimized
+        HLO shows none. A conditional inside a `command_buffer*` computation (XLA's older
+        HLO-level outlining, reached by a `call`) is not counted as a sync.
       h2d / d2h: transfers between host memory (layouts with S(5)) and the device, one per op:
         copy-start (result tuple element 0 is the destination), async *-start (element 1 is the
         output; e.g. an async dynamic-slice reading a host array on the H2D stream), and any
