@@ -1,9 +1,24 @@
 """jaxkv: a paged KV cache split over HBM and host memory, with annealed block placement.
 
-Modules: config (static configs and hardware profiles), cache (TieredKVCache and its pure
-operations), attention (tier-aware decode attention), decode (the functional decode loop),
-policies / anneal / importance / cost (placement), trace / simulate (trace-driven simulation),
-cli (the `jaxkv` command).
+The runtime (what a model imports; it never imports `jaxkv.sim`, scipy or optax):
+  config        static configs and hardware profiles
+  cost          the cost model: step latency, bounds, `CostModel` (what a plan is priced in)
+  cache         TieredKVCache and its pure operations (cache_layout: the pytree; migration:
+                plan_moves / migrate; slot_ops: slot-table helpers)
+  transfer      reads and writes across memory kinds
+  attention     tier-aware decode attention (exact and Quest-sparse)
+  importance    per-block read statistics and the online forecasts' math
+  forecasts     forecaster parts: EMA, Reuse, Now
+  pricing       pricing terms (LinkReserve, Unforeseen, Ride, Spread) and controllers
+  anneal        the vectorized annealer (anneal_energy: the problem and its energy;
+                anneal_init: the greedy start)
+  policies      the Policy protocol, Static, Reactive, Anneal (composed from the parts), Follow
+  presets       every policy name, resolved in one place
+  decode        the functional decode loop
+  gpu_compile   compiling for a GPU on a machine without one
+  cli           the `jaxkv` command
+The research side, `jaxkv.sim`: traces, the replay simulator, the bounds and the LP, the
+oracle policies, the learned forecaster (see its docstring).
 """
 
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""The latency model of PAPER.md: a step reads both tiers in parallel and costs the slower one.
+"""The paper's latency model (docs/paper.md): a step reads both tiers in parallel, costs the slower.
 
 Per (decode step, layer):
   T_hbm  = (weights + HBM-resident reads + the new token's write + HBM-side migration) / B_hbm
@@ -10,7 +10,7 @@ costs its bytes once on each side (a promotion reads it over the link and writes
 demotion reads it from HBM and writes it over the link), charged to the first step of the window
 in which the move happens.
 
-The Unlimited bound (PAPER.md, calibration) splits every step's bytes between the tiers at the
+The Unlimited bound (docs/paper.md, calibration) splits every step's bytes between the tiers at the
 ideal ratio, never migrates and has no capacity limit:
   step = max((weights + write) / B_hbm, (reads + weights + write) / (B_hbm + B_link)).
 No placement beats it: with a = HBM bytes >= weights + write and a + b >= all bytes,
@@ -25,7 +25,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jaxkv.config import HardwareProfile
+from jaxkv.config import PROFILES, HardwareProfile, check_number
 
 
 def layer_step_time(
@@ -150,7 +150,7 @@ GEOMETRIES: dict[str, Geometry] = {
     # Llama-3.1-8B: GQA 8 KV heads x 128, bf16 -> 4 KiB per token-layer; 436 MB weights per layer
     # and about 16 GB of parameters in all (embeddings and LM head included).
     "llama3-8b": Geometry("llama3-8b", 32, 8, 128, 2, 2.0 * _LLAMA_LAYER_PARAMS, 2.0 * 8.03e9),
-    # The paper's own accounting (PAPER.md, calibration): d = 4096, 16 KiB per token-layer,
+    # The paper's own accounting (docs/paper.md, calibration): d = 4096, 16 KiB per token-layer,
     # W = 4 d^2 * 2 + 2 d d_ff * 2 / 8 bytes per layer; HBM capacity = HBM - 2 x params (16 GB).
     "paper": Geometry(
         "paper", 32, 32, 128, 2, 4 * 4096 * 4096 * 2 + 2 * 4096 * 14000 * 2 / 8, 16e9
@@ -228,3 +228,39 @@ def pool_capacity(
     if capacity_blocks < 0:
         raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
     return geometry, capacity_blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """The environment a placement plan is priced in: one static object, passed to
+    `Policy.plan` (hashable: a static jit argument).
+
+    profile: the two tiers' bandwidths. block_bytes: one block of one layer (K and V).
+    fixed_bytes: a layer's HBM bytes per step besides the KV reads (its weights and the token's
+    write). demote_cost: the bytes of a demotion on each side, as a fraction of a block (0: the
+    host keeps a copy, an inclusive cache; the decode loop's exclusive cache copies it: 1).
+    keep_fetched: a block read from host at the previous step can be promoted for the HBM write
+    alone (the simulator's option; the decode loop re-reads the host pool: False).
+    prompt_len, block_size: tokens of the prompt and per block (the learned forecaster's
+    features).
+    """
+
+    profile: HardwareProfile = PROFILES["gh200"]
+    block_bytes: float = 16 * 4096.0
+    fixed_bytes: float = 436e6
+    demote_cost: float = 0.0
+    keep_fetched: bool = False
+    prompt_len: int = 0
+    block_size: int = 16
+
+    def __post_init__(self):
+        check_number("CostModel block_bytes", self.block_bytes, low=0.0, low_open=True)
+        check_number("CostModel fixed_bytes", self.fixed_bytes, low=0.0)
+        check_number("CostModel demote_cost", self.demote_cost, low=0.0)
+        check_number("CostModel prompt_len", self.prompt_len, integer=True, low=0)
+        check_number("CostModel block_size", self.block_size, integer=True, low=1)
+
+    @property
+    def link_seconds(self) -> float:
+        """Seconds for one block to cross the link."""
+        return self.block_bytes / self.profile.link_bandwidth

@@ -1,31 +1,26 @@
-"""Per-block access statistics and forecasts of the next window's reads.
+"""Per-block access statistics and the math of the online forecasts of the next window's reads.
 
 A forecast is A [W, layers, N] float32: A[t, l, i] = probability (or expected count) that block i
-of layer l is read at step t of the coming window. Forecasters:
-  oracle  - the true future reads (from a trace): the "perfect knowledge" of the oracles.
-  visits  - the oracle cut to what no forecast of a visit's start can add: the true future reads
-            of the visits in progress (blocks read at the last step, until their run of reads
-            ends), nothing for a visit that has not begun (`visits_forecast`). A diagnostic: the
-            best an online forecaster that cannot foresee a block's first read could do.
+of layer l is read at step t of the coming window. The online forecasts here (the parts that
+use them: `jaxkv.forecasts`):
   ema     - decayed read frequency (`Stats.read_ema`), the same for every step of the window,
-            sharpened by recency (a block read in the last step is likely read again soon).
+            sharpened by recency (a block read in the last step is likely read again soon):
+            `ema_forecast`.
   reuse   - the trace's own re-read law, learned online: how often a block of read frequency
             bin e, last read k steps ago (and, when k = 1, read r steps running) is read
             (`Stats.since_seen` / `since_read`, decayed counts per class), rolled forward over
             the window as a Markov chain on the class (`reuse_forecast`).
-The Quest bound the sparse decode loop ranks blocks by is `jaxkv.attention.quest_scores`; the
-learned (logistic, optax-trained) forecaster is research code: `jaxkv.sim.learned`.
+The oracles' forecasts (the true future, the visits in progress) are `jaxkv.sim.oracles`; the
+learned (logistic, optax-trained) forecaster `jaxkv.sim.learned`; the Quest bound the sparse
+decode loop ranks blocks by `jaxkv.attention.quest_scores`.
 The statistics are updated once per step by `update_stats`, the same function in the simulator and
 the decode loop.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxkv._pytree import pytree_dataclass, static_field
 
@@ -261,39 +256,6 @@ def reuse_forecast(
     cls = reuse_class(last_read, ema, step, f, streak)  # [L, N]
     p = jnp.take_along_axis(table, jnp.broadcast_to(cls[None], (wmax,) + cls.shape), axis=-1)
     return jnp.where(valid[None], p, 0.0)
-
-
-def oracle_forecast(future_reads, window: int | jax.Array | None = None):
-    """The true reads as a forecast.
-
-    Args:
-      future_reads: [Wmax, layers, N] bool, reads of the next Wmax steps.
-      window: steps that count (rows >= window are zeroed); None = all.
-    Returns:
-      [Wmax, layers, N] float32.
-    """
-    a = future_reads.astype(jnp.float32)
-    if window is None:
-        return a
-    return a * (jnp.arange(a.shape[0]) < window)[:, None, None]
-
-
-def visits_forecast(future_reads, last_read, step):
-    """The true future reads of the visits in progress: [W, layers, N] float32.
-
-    A visit is a run of consecutive steps that read a block. Row j keeps block i's read at step
-    `step` + j when i was read at `step` - 1 and at every step from `step` to `step` + j, and
-    drops every read of a visit that starts at or after `step`: what a causal forecaster knows
-    at best when a visit's start cannot be foreseen (no trace draws it from the past) but its
-    length can.
-
-    Args:
-      future_reads: [W, layers, N] bool or 0/1 float, reads of steps `step` .. `step` + W - 1.
-      last_read: [layers, N] int32 (`Stats.last_read`); step: [] int32.
-    """
-    f = (future_reads > 0).astype(jnp.float32)
-    going = read_last_step(last_read, step).astype(jnp.float32)
-    return jnp.cumprod(f, axis=0) * going[None]
 
 
 def read_last_step(last_read, step):

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
+from jaxkv import presets
 from jaxkv.config import CacheConfig, PlacementConfig, check_number
 from jaxkv.decode import Decoder, Greedy, Sampling, summarize
-from jaxkv.policies import POLICIES, modifier_kwargs, split_name
 from models.default import default_model
 from models.hf import load_pretrained, load_tokenizer
 
@@ -21,11 +21,7 @@ LIVE_EXAMPLE = "anneal+reuse+follow"  # the decode loop's best live policy
 
 def live_policies() -> list[str]:
     """The base policy names the decode loop can run: those that need no future knowledge."""
-    return [n for n in POLICIES if n != "unlimited" and not _needs_future(POLICIES[n]())]
-
-
-def _needs_future(policy) -> bool:
-    return bool(getattr(policy, "needs_forecast", False) or getattr(policy, "needs_values", False))
+    return presets.names(online_only=True)
 
 
 def check_live_policy(name: str, label: str = "policy") -> None:
@@ -43,10 +39,10 @@ def check_live_policy(name: str, label: str = "policy") -> None:
             "does not have (it plans between steps); +follow plans a target between steps and "
             f"follows it inside every step: use e.g. {use!r}"
         )
-    if base not in POLICIES:
+    if base not in presets.BASES:
         raise ValueError(f"{label}={name!r}: unknown policy {base!r}; {live}")
     try:
-        base, mods = split_name(name)
+        base, mods = presets.split_name(name)
     except ValueError as e:
         raise ValueError(f"{label}={name!r}: {e}; {live}") from None
     if base == "unlimited":
@@ -54,7 +50,7 @@ def check_live_policy(name: str, label: str = "policy") -> None:
             f"{label}={name!r}: the Unlimited-HBM bound, not a placement (`jaxkv simulate` "
             f"reports it); {live}"
         )
-    if _needs_future(POLICIES[base](**(modifier_kwargs(mods) if mods else {}))):
+    if not presets.is_online(name):
         raise ValueError(
             f"{label}={name!r}: plans from perfect knowledge of future reads, which a live decode "
             f"does not have (use it in `jaxkv simulate`); {live}"

@@ -119,19 +119,20 @@ def test_every_knob_table_verdict_and_panel(tmp_path, quick):
 def test_settings_reach_the_policy():
     """The knobs simulate does not expose reach Anneal through simulate(policy_kwargs=), and
     bad policy_kwargs are refused before any work."""
-    from jaxkv.sim import simulate as sim
     from jaxkv.config import PROFILES
+    from jaxkv.pricing import AdaptiveWindow, Compensate
+    from jaxkv.sim import simulate as sim
 
     setup = sim.Setup(64, 16, 1, 8, 4, 16384, 1.6e8, PROFILES["gh200-paper"])
     s = sens.Setting(budget=16, threshold=0.3, rollback=0, window=50)
     aw = sim.make_policy("anneal+aw+ec", setup, **{"window": s.window, **s.overrides()})
-    assert (aw.min_window, aw.max_window, aw.window_step, aw.window) == (20, 100, 10, 50)
-    assert (aw.interval, aw.budget, aw.error_threshold, aw.rollback) == (0, 16, 0.3, 0)
+    assert aw.adaptive == AdaptiveWindow(20, 100, 10) and aw.window == 50
+    assert (aw.interval, aw.budget, aw.compensate) == (0, 16, Compensate(0.3, 0))
     trace = sens.tr.SyntheticTrace("recency-low", 64, 4, 1, 16, 0)
     kw = dict(profile=PROFILES["gh200-paper"], geometry=sens.cost.get_geometry("paper"))
     with pytest.raises(ValueError, match=r"policy_kwargs\['lru'\]: expected one of the anneal"):
         sim.simulate(trace, ["lru"], sparsity=0.5, policy_kwargs={"lru": {}}, **kw)
-    with pytest.raises(ValueError, match=r"\['nope'\] are not fields of Anneal"):
+    with pytest.raises(ValueError, match=r"\['nope'\] are not anneal knobs"):
         sim.simulate(trace, ["anneal"], sparsity=0.5, policy_kwargs={"anneal": {"nope": 1}}, **kw)
 
 

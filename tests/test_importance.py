@@ -7,6 +7,7 @@ import pytest
 
 from jaxkv import importance as imp
 from jaxkv.sim import learned as lrn
+from jaxkv.sim import oracles
 from jaxkv.sim import trace as tr
 
 
@@ -238,16 +239,16 @@ def test_visits_forecast_keeps_only_the_visits_in_progress():
         ],
         bool,
     )[:, None, :]
-    f = np.asarray(imp.visits_forecast(jnp.asarray(future), last, 5))
+    f = np.asarray(oracles.visits_forecast(jnp.asarray(future), last, 5))
     want = np.array([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], np.float32)
     np.testing.assert_array_equal(f[:, 0], want)
     # at step 0 nothing is in progress (last_read -1 is not step -1)
-    assert not np.asarray(imp.visits_forecast(jnp.asarray(future), last * 0 - 1, 0)).any()
+    assert not np.asarray(oracles.visits_forecast(jnp.asarray(future), last * 0 - 1, 0)).any()
 
 
 def test_oracle_forecast_masks_rows_past_the_window():
     r = jnp.ones((4, 1, 2), bool)
-    np.testing.assert_allclose(imp.oracle_forecast(r, 2)[:, 0, 0], [1, 1, 0, 0])
+    np.testing.assert_allclose(oracles.oracle_forecast(r, 2)[:, 0, 0], [1, 1, 0, 0])
 
 
 def test_ema_forecast_is_a_probability_and_respects_validity():

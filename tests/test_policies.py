@@ -10,9 +10,17 @@ import pytest
 
 from jaxkv import importance as imp
 from jaxkv import policies as P
+from jaxkv import presets
+from jaxkv import pricing as pr
 from jaxkv.config import AnnealConfig, HardwareProfile
+from jaxkv.cost import CostModel
+from jaxkv.forecasts import EMA, Now, Reuse
+from jaxkv.sim import oracles as O
 
 L, N, CAP, H = 2, 24, 6, 5
+ENV = CostModel()  # the environment the old flat Anneal fields defaulted to
+NO_WEIGHTS = CostModel(fixed_bytes=0.0)
+FAST = AnnealConfig(chains=4, max_iters=200)
 
 
 def observation(seed=0, forecast=True, window_reads=True, runs=False):
@@ -43,31 +51,50 @@ def observation(seed=0, forecast=True, window_reads=True, runs=False):
     )
 
 
-FAST = AnnealConfig(chains=4, max_iters=200)
+def anneal(**knobs):
+    return presets.anneal_policy(**{"config": FAST, **knobs})
+
+
+def plan(pol, obs, env=ENV):
+    return pol.plan(pol.init(L, N), obs, env)
+
+
+def problem(pol, obs, env=ENV):
+    """The annealing problem of the policy's first plan (what `plan` hands the annealer)."""
+    return pol.problem(pol.init(L, N), obs, env)[0]
+
+
+def terminal_value(pol, obs, env=ENV):
+    """The chain of terminal values over the policy's window, as `Anneal.problem` runs it."""
+    h = pol.energy_steps
+    _, fc = pol.forecast.update((), obs, env, h)
+    value = None
+    for v in pol.values:
+        value = v(value, obs, env, fc, h)
+    return value
+
+
 ALL = {
     "static": P.Static(),
     "lru": P.Reactive(),
-    "page": P.Page(page_blocks=2),
-    "paper-sa": P.PaperSA(lookahead=H),
-    "anneal": P.Anneal(window=H, config=FAST),
-    "anneal+aw+ec": P.Anneal(window=H, max_window=H, adaptive=True, compensate=True, config=FAST),
-    "anneal-oracle": P.Anneal(name="anneal-oracle", forecast="oracle", window=H, config=FAST),
-    "anneal-oracle+tail": P.Anneal(forecast="oracle", window=2, tail=H - 2, config=FAST),
-    "anneal-oracle+dual": P.Anneal(forecast="oracle", window=2, dual=True, config=FAST),
-    "anneal+reuse": P.Anneal(forecast="reuse", unforeseen=True, window=H, config=FAST),
-    "anneal+reuse+runs": P.Anneal(forecast="reuse", unforeseen=True, window=H, config=FAST),
-    "anneal-oracle+visits": P.Anneal(forecast="visits", window=2, tail=H - 2, config=FAST),
-    "anneal+now": P.Anneal(now=True, window=H, config=FAST),
-    "anneal+reuse+now+runs": P.Anneal(
-        forecast="reuse", unforeseen=True, now=True, window=H, config=FAST
+    "page": O.Page(page_blocks=2),
+    "paper-sa": O.PaperSA(lookahead=H),
+    "anneal": anneal(window=H),
+    # (min_window: AdaptiveWindow refuses high < low; the old default 20 > 5 clipped W to 5)
+    "anneal+aw+ec": anneal(window=H, min_window=1, max_window=H, adaptive=True, compensate=True),
+    "anneal-oracle": anneal(name="anneal-oracle", forecast="oracle", window=H),
+    "anneal-oracle+tail": anneal(forecast="oracle", window=2, tail=H - 2),
+    "anneal-oracle+dual": anneal(forecast="oracle", window=2, dual=True),
+    "anneal+reuse": anneal(forecast="reuse", unforeseen=True, window=H),
+    "anneal+reuse+runs": anneal(forecast="reuse", unforeseen=True, window=H),
+    "anneal-oracle+visits": anneal(forecast="visits", window=2, tail=H - 2),
+    "anneal+now": anneal(now=True, window=H),
+    "anneal+reuse+now+runs": anneal(forecast="reuse", unforeseen=True, now=True, window=H),
+    "anneal+reuse+now+spread+runs": anneal(
+        forecast="reuse", unforeseen=True, now=True, ride=1.0, spread=1.5, window=H
     ),
-    "anneal+reuse+now+spread+runs": P.Anneal(
-        forecast="reuse", unforeseen=True, now=True, ride=1.0, spread=1.5, window=H, config=FAST
-    ),
-    "anneal+spread": P.Anneal(spread=1.0, window=H, config=FAST),
-    "anneal-learned": P.Anneal(
-        forecast="learned", learned=(1.0, 0, 0, 0, 0, 0, -1.0), window=H, config=FAST
-    ),
+    "anneal+spread": anneal(spread=1.0, window=H),
+    "anneal-learned": anneal(forecast="learned", learned=(1.0, 0, 0, 0, 0, 0, -1.0), window=H),
 }
 
 
@@ -79,18 +106,48 @@ def test_plan_is_jittable_within_capacity_and_valid(name):
         vals = np.random.default_rng(1).random((H, L, N)) * 1e-4
         obs = dataclasses.replace(obs, value_to_go=jnp.asarray(vals, jnp.float32))
     state = pol.init(L, N)
-    plan = jax.jit(pol.plan)
+    step = jax.jit(lambda s, o: pol.plan(s, o, ENV))
     for _ in range(2):  # state threads through
-        state, target = plan(state, obs)
+        state, target = step(state, obs)
     t = np.asarray(target)
     assert t.shape == (L, N) and t.dtype == bool
     assert (t.sum(-1) <= CAP).all()
     assert not (t & ~np.asarray(obs.valid)).any()
 
 
+RESOLVED = (
+    "static lru anneal anneal+reuse anneal+reuse+follow anneal+aw+ec anneal-oracle "
+    "anneal-oracle+dual anneal-oracle+visits page paper-sa paper-sa[10,0.5] anneal+reuse+now"
+).split()
+
+
+@pytest.mark.parametrize("name", RESOLVED)
+def test_resolve_builds_every_preset_with_the_protocol_attributes(name):
+    pol = presets.resolve(name, ENV)
+    base, mods = presets.split_name(name)
+    oracle = base in ("page", "paper-sa", "anneal-oracle")
+    assert pol.name == name
+    assert isinstance(pol.horizon, int) and pol.horizon >= 1
+    assert (pol.horizon > 1) == (base in ("paper-sa", "anneal-oracle"))
+    assert pol.needs_forecast == (oracle or "now" in mods)
+    assert pol.needs_forecast == (not presets.is_online(name))
+    assert pol.needs_values == ("dual" in mods)
+    assert isinstance(pol.follow, P.Follow) == ("follow" in mods)
+    assert pol.follow is None or pol.follow.admit == P.FOLLOW_ADMITS_DEFAULT
+    assert pol.budget is None
+    assert pol.adapts_window == ("aw" in mods)
+    w = int(pol.next_window(pol.init(L, N)))
+    want = {"static": P.NEVER, "anneal+reuse+now": presets.NOW_WINDOW}
+    want.update({"anneal-oracle": 3, "anneal-oracle+visits": 3, "anneal-oracle+dual": 2})
+    want.update({n: 50 for n in ("anneal", "anneal+reuse", "anneal+reuse+follow", "anneal+aw+ec")})
+    assert w == want.get(name, 1)
+    if name == "paper-sa[10,0.5]":
+        assert (pol.lookahead, pol.fraction, pol.horizon) == (10, 0.5, 10)
+
+
 def test_static_never_moves():
     obs = observation()
-    _, t = P.Static().plan((), obs)
+    _, t = P.Static().plan((), obs)  # env may be omitted
     np.testing.assert_array_equal(t, obs.in_hbm & obs.valid)
 
 
@@ -99,7 +156,7 @@ def test_page_holds_the_pages_read_next():
     f = np.zeros((H, L, N), np.float32)
     f[0, :, [8, 9, 12]] = 1.0  # pages (2 blocks) 4 and 6
     obs = P.Observation(**{**obs.__dict__, "forecast": jnp.asarray(f)})
-    _, t = P.Page(page_blocks=2).plan((), obs)
+    _, t = O.Page(page_blocks=2).plan((), obs, ENV)
     t = np.asarray(t)
     assert t[:, [8, 9, 12, 13]].all()
     assert (t.sum(-1) <= CAP).all()
@@ -112,12 +169,12 @@ def test_paper_sa_evicts_unread_and_promotes_top_fraction():
     f[0, :, 10] = 1.0  # host block read next step: score 1
     f[3, :, 11] = 1.0  # host block read in 4 steps: score 1/4
     obs = P.Observation(**{**obs.__dict__, "forecast": jnp.asarray(f)})
-    _, t = P.PaperSA(lookahead=H, fraction=0.5).plan((), obs)
+    _, t = O.PaperSA(lookahead=H, fraction=0.5).plan((), obs)
     t = np.asarray(t)
     assert t[:, 1].all() and t[:, 10].all()
     assert not t[:, 11].any()  # R = 0.5 of the two candidates
     assert not t[:, [0, 2, 3, 4, 5]].any()  # resident, not read within the lookahead
-    _, t = P.PaperSA(lookahead=H, fraction=1.0).plan((), obs)
+    _, t = O.PaperSA(lookahead=H, fraction=1.0).plan((), obs)
     assert np.asarray(t)[:, 11].all()
 
 
@@ -126,8 +183,8 @@ def test_anneal_oracle_promotes_what_is_read():
     f = np.zeros((H, L, N), np.float32)
     f[:, :, 10:16] = 1.0  # six host blocks read at every step
     obs = P.Observation(**{**obs.__dict__, "forecast": jnp.asarray(f)})
-    pol = P.Anneal(name="anneal-oracle", forecast="oracle", window=H, config=FAST, fixed_bytes=0.0)
-    _, t = pol.plan(pol.init(L, N), obs)
+    pol = anneal(name="anneal-oracle", forecast="oracle", window=H)
+    _, t = plan(pol, obs, NO_WEIGHTS)
     # link-bound: the reads go to HBM up to the balance point, never to an unread block
     t = np.asarray(t)
     assert t[:, 10:16].sum() >= 8 and not t[:, :10].any() and not t[:, 16:].any()
@@ -141,19 +198,19 @@ def test_visits_oracle_sees_a_visit_in_progress_but_not_one_to_come():
     last[:, 10:12] = 30  # 10, 11: read at step 30, their visit goes on at step 31
     last[:, 12] = 20  # 12: a visit starting now
     obs = dataclasses.replace(obs, forecast=jnp.asarray(f), last_read=jnp.asarray(last))
-    kw = dict(window=H, config=FAST, fixed_bytes=0.0)
-    _, t = P.Anneal(forecast="visits", **kw).plan(P.Anneal().init(L, N), obs)
+    _, t = plan(anneal(forecast="visits", window=H), obs, NO_WEIGHTS)
     t = np.asarray(t)
     assert t[:, 10:12].all() and not t[:, 12].any()
-    _, t = P.Anneal(forecast="oracle", **kw).plan(P.Anneal().init(L, N), obs)
+    _, t = plan(anneal(forecast="oracle", window=H), obs, NO_WEIGHTS)
     assert np.asarray(t)[:, 10:13].all()  # the full oracle promotes all three
 
 
-@pytest.mark.parametrize("forecast", ["ema", "reuse"])
-def test_now_forecast_is_the_step_read_then_the_online_forecast_from_after_it(forecast):
+@pytest.mark.parametrize("base", [EMA(), Reuse()], ids=["ema", "reuse"])
+def test_now_forecast_is_the_step_read_then_the_online_forecast_from_after_it(base):
     obs = observation(runs=True)
-    pol = P.Anneal(forecast=forecast, now=True, window=H, config=FAST)
-    a = np.asarray(pol._now_forecast(obs, H))
+    assert anneal(forecast=base.name, now=True, window=H).forecast == Now(base)
+    _, fc = Now(base).update((), obs, ENV, H)
+    a = np.asarray(fc.reads)
     r0 = (np.asarray(obs.forecast[0]) > 0) & np.asarray(obs.valid)
     np.testing.assert_array_equal(a[0], r0)
     # rows 1.. : the online forecast for the window from step + 1, with the step's reads folded
@@ -162,28 +219,29 @@ def test_now_forecast_is_the_step_read_then_the_online_forecast_from_after_it(fo
         obs.last_read, obs.read_ema, obs.mass_ema, obs.window_reads, streak=obs.streak
     )
     after = imp.update_stats(stats, jnp.asarray(r0), jnp.ones((L, N)), obs.step, obs.valid)
-    plain = P.Anneal(forecast=forecast, window=H, config=FAST)
     moved = dataclasses.replace(
         obs, last_read=after.last_read, read_ema=after.read_ema, streak=after.streak
     )
-    want = np.asarray(plain._online_forecast(moved, obs.step + 1, H - 1))
+    want = np.asarray(base.predict(moved, obs.step + 1, H - 1))
     np.testing.assert_allclose(a[1:], want, rtol=1e-6, atol=1e-7)
-    if forecast == "reuse":  # the random law of `observation` need not favour a fresh read
+    if isinstance(base, Reuse):  # the random law of `observation` need not favour a fresh read
         return
     # a block that starts a visit now is forecast as one read at the last step
     start = r0 & ~np.asarray(imp.read_last_step(obs.last_read, obs.step))
-    ahead = np.asarray(plain._online_forecast(obs, obs.step + 1, H - 1))
+    ahead = np.asarray(base.predict(obs, obs.step + 1, H - 1))
     assert (a[1][start] >= ahead[0][start] - 1e-6).all() and (a[1][start] > ahead[0][start]).any()
 
 
 def test_now_needs_the_step_reads_and_an_online_forecast():
     obs = dataclasses.replace(observation(), forecast=None)
-    pol = P.Anneal(now=True, window=H, config=FAST)
+    pol = anneal(now=True, window=H)
     assert pol.needs_forecast and pol.horizon == 1
-    with pytest.raises(ValueError, match="needs obs.forecast"):
-        pol.plan(pol.init(L, N), obs)
+    with pytest.raises(ValueError, match="policy 'anneal' needs obs.forecast"):
+        plan(pol, obs)
     with pytest.raises(ValueError, match=r"now=True refines an online forecast .* 'oracle'"):
-        P.Anneal(forecast="oracle", now=True)
+        presets.anneal_policy(forecast="oracle", now=True)
+    with pytest.raises(ValueError, match=r"Now refines an online forecast \(EMA or Reuse\), got"):
+        Now(O.Oracle())
 
 
 def test_now_promotes_a_visit_that_starts_at_this_step():
@@ -197,10 +255,9 @@ def test_now_promotes_a_visit_that_starts_at_this_step():
     obs = dataclasses.replace(
         obs, forecast=jnp.asarray(f), last_read=jnp.asarray(last), read_ema=jnp.asarray(ema)
     )
-    kw = dict(window=H, config=FAST, fixed_bytes=0.0, link_reserve=0.0)
-    _, t = P.Anneal(now=True, **kw).plan(P.Anneal().init(L, N), obs)
+    _, t = plan(anneal(now=True, window=H, link_reserve=0.0), obs, NO_WEIGHTS)
     assert np.asarray(t)[:, 10:13].all()  # the promotion rides on this step's read
-    _, t = P.Anneal(**kw).plan(P.Anneal().init(L, N), obs)
+    _, t = plan(anneal(window=H, link_reserve=0.0), obs, NO_WEIGHTS)
     assert not np.asarray(t)[:, 10:13].any()  # unseen blocks: nothing to go on
 
 
@@ -208,77 +265,66 @@ def test_spread_variance_by_hand():
     """The link reads' variance per step: Bernoulli over the blocks left on host (their
     host-side link loads: with ride 1, first-read probabilities after step 0) plus the
     unforeseen reads as a Poisson count; blocks in HBM add nothing."""
-    pol = P.Anneal(window=3, ride=1.0, block_bytes=4.0)
     a = jnp.asarray([[[0.5, 0.2, 1.0, 0.5]], [[0.5, 0.5, 0.0, 0.5]], [[1.0, 0.5, 0.0, 0.5]]])
     off = jnp.asarray([[True, True, True, False]])  # block 3 in HBM
     fixed = jnp.asarray([[0.0, 8.0, 2.0]])  # bytes: 2 and 0.5 unforeseen reads at steps 1, 2
-    var = np.asarray(pol._link_variance(a, pol._host_loads(a), fixed, off))[:, 0]
+    var = np.asarray(pr.link_variance(a, pr.host_loads(a, 1.0, 0.0), fixed, off, 4.0))[:, 0]
     # link loads on host: step 0 the reads (0.5, 0.2, 1.0); step 1 first reads (0.5, 0.5, 0);
     # step 2 first reads 1.0 x (1 - 0.5) = 0.5, 0.5 x (1 - 0.5) = 0.25, 0
     want = [0.25 + 0.16 + 0.0, 0.25 + 0.25 + 2.0, 0.25 + 0.1875 + 0.5]
     np.testing.assert_allclose(var, want, rtol=1e-6)
-    plain = np.asarray(P.Anneal(window=3)._link_variance(a, {}, None, off))[:, 0]
+    plain = np.asarray(pr.link_variance(a, {}, None, off, 4.0))[:, 0]
     np.testing.assert_allclose(plain, [0.41, 0.5, 0.25], rtol=1e-6)  # the plan held: a(1 - a)
 
 
-def test_spread_validation_and_wiring(monkeypatch):
-    with pytest.raises(ValueError, match="spread must be finite and >= 0, got -1.0"):
-        P.Anneal(spread=-1.0)
-    seen = []
-    real_run = P.anneal.run
-
-    def run(problem, key, config):
-        seen.append(problem)
-        return real_run(problem, key, config)
-
-    monkeypatch.setattr(P.anneal, "run", run)
+def test_spread_validation_and_wiring():
+    with pytest.raises(ValueError, match=re.escape("Spread k=-1.0: expected a finite number >= 0")):
+        presets.anneal_policy(spread=-1.0)
     obs = observation()
-    kw = dict(window=H, config=FAST, forecast="reuse", unforeseen=True, ride=1.0)
-    P.Anneal(**kw).plan(P.Anneal().init(L, N), obs)
-    pol = P.Anneal(spread=1.5, **kw)
-    pol.plan(pol.init(L, N), obs)
-    assert seen[0].spread is None
-    pr = seen[1]
-    a = jnp.swapaxes(pr.forecast, 0, 1)  # [W, L, N]
-    var = pol._link_variance(a, pol._host_loads(a), pr.fixed_link, ~obs.in_hbm & obs.valid)
-    unit = pol.block_bytes / pol.profile.link_bandwidth
-    np.testing.assert_allclose(pr.spread, 1.5 * unit * np.sqrt(np.asarray(var)).T, rtol=1e-5)
-    assert (np.asarray(pr.spread) > 0).all()
+    kw = dict(window=H, forecast="reuse", unforeseen=True, ride=1.0)
+    assert problem(anneal(**kw), obs).spread is None
+    pol = anneal(spread=1.5, **kw)
+    assert pr.Spread(1.5) in pol.terms
+    prob = problem(pol, obs)
+    a = jnp.swapaxes(prob.forecast, 0, 1)  # [W, L, N]
+    host = pr.host_loads(a, 1.0, ENV.demote_cost)
+    var = pr.link_variance(a, host, prob.fixed_link, ~obs.in_hbm & obs.valid, ENV.block_bytes)
+    unit = ENV.block_bytes / ENV.profile.link_bandwidth
+    np.testing.assert_allclose(prob.spread, 1.5 * unit * np.sqrt(np.asarray(var)).T, rtol=1e-5)
+    assert (np.asarray(prob.spread) > 0).all()
 
 
 def test_compensation_triggers_on_a_bad_forecast():
-    pol = P.Anneal(window=H, compensate=True, config=FAST, error_threshold=0.15)
+    pol = anneal(window=H, compensate=True, error_threshold=0.15)
+    assert pol.compensate == pr.Compensate(0.15, 5)
     obs = observation()
-    st = pol.init(L, N)
-    st, _ = pol.plan(st, obs)
+    st, _ = plan(pol, obs)
     bad = P.Observation(**{**obs.__dict__, "window_reads": obs.window_reads * 0 + 5.0 * obs.valid})
-    st2, _ = pol.plan(st, bad)
+    st2, _ = pol.plan(st, bad, ENV)
     assert int(st2.compensations) == 1
 
 
 def test_compensation_compares_reads_with_the_steps_they_cover():
     # planning every step over a W = 5 lookahead: the reads of the one step between plans are
     # compared with that step's forecast (not the whole window's), so an exact forecast passes
-    pol = P.Anneal(
-        forecast="oracle", window=H, interval=1, compensate=True, config=FAST, error_threshold=0.15
-    )
+    pol = anneal(forecast="oracle", window=H, interval=1, compensate=True, error_threshold=0.15)
     obs = observation()
-    st, _ = pol.plan(pol.init(L, N), obs)
+    st, _ = plan(pol, obs)
     exact = P.Observation(**{**obs.__dict__, "window_reads": obs.forecast[0]})
-    st, _ = pol.plan(st, exact)
+    st, _ = pol.plan(st, exact, ENV)
     assert int(st.compensations) == 0
 
 
 def test_adaptive_window_moves_by_step_within_bounds():
-    pol = P.Anneal(window=50, adaptive=True, config=FAST, min_window=20, max_window=60)
+    pol = anneal(window=50, adaptive=True, min_window=20, max_window=60)
+    assert pol.adaptive == pr.AdaptiveWindow(20, 60, 10) and pol.adapts_window
     obs = observation(forecast=False)
-    st = pol.init(L, N)
-    st, _ = pol.plan(st, obs)  # hit rate >= 0 (previous): grow
+    st, _ = plan(pol, obs)  # hit rate >= 0 (previous): grow
     assert int(pol.next_window(st)) == 60
-    st, _ = pol.plan(st, obs)
+    st, _ = pol.plan(st, obs, ENV)
     assert int(pol.next_window(st)) == 60  # clipped at max_window
     worse = P.Observation(**{**obs.__dict__, "in_hbm": obs.in_hbm & False})
-    st, _ = pol.plan(st, worse)
+    st, _ = pol.plan(st, worse, ENV)
     assert int(pol.next_window(st)) == 50
 
 
@@ -288,58 +334,63 @@ def test_adaptive_window_moves_by_step_within_bounds():
         ("window", 0, "Anneal window=0: expected an integer >= 1"),
         ("interval", -1, "Anneal interval=-1: expected an integer >= 0"),
         ("discount", float("nan"), "Anneal discount=nan: expected a finite number in (0, 1]"),
-        ("demote_cost", -1.0, "Anneal demote_cost=-1.0: expected a finite number >= 0"),
+        ("demote_cost", -1.0, "CostModel demote_cost=-1.0: expected a finite number >= 0"),
+        ("forecast", "x", f"Anneal forecast must be one of {presets.FORECASTS}, got 'x'"),
+        ("forecast", "learned", "Anneal forecast='learned' needs learned=(w_0, ..., w_5, b)"),
+        ("ride", 1.5, "Ride share=1.5: expected a finite number in [0, 1]"),
+        ("link_reserve", 1.0, "LinkReserve share=1.0: expected a finite number in [0, 1)"),
     ],
 )
 def test_anneal_rejects_bad_fields(field, value, message):
+    make = CostModel if field == "demote_cost" else presets.anneal_policy
     with pytest.raises(ValueError, match=re.escape(message)):
-        P.Anneal(**{field: value})
+        make(**{field: value})
 
 
 def test_unlimited_refuses_to_plan():
     with pytest.raises(ValueError, match=r"'unlimited' is a bound computed by jaxkv.cost"):
-        P.Unlimited().plan((), observation())
+        O.Unlimited().plan((), observation(), ENV)
 
 
 def test_oracle_without_forecast_is_rejected():
     with pytest.raises(ValueError, match=r"policy 'page' needs obs.forecast"):
-        P.Page().plan((), observation(forecast=False))
+        O.Page().plan((), observation(forecast=False))
 
 
 def test_unknown_policy_lists_names():
     with pytest.raises(ValueError, match=r"unknown policy 'belady'.*anneal-oracle.*paper-sa"):
-        P.get_policy("belady")
-
-
-def test_bad_forecast_kind():
-    with pytest.raises(ValueError, match=r"forecast must be one of \('ema', 'reuse', .*got 'x'"):
-        P.Anneal(forecast="x")
+        presets.resolve("belady", ENV)
 
 
 def test_reuse_needs_the_reuse_counts():
     obs = dataclasses.replace(observation(), since_seen=None)
-    pol = P.Anneal(forecast="reuse", window=H, config=FAST)
-    with pytest.raises(ValueError, match=r"forecast='reuse' needs obs.since_seen"):
-        pol.plan(pol.init(L, N), obs)
+    pol = anneal(forecast="reuse", window=H)
+    with pytest.raises(ValueError, match=r"the reuse forecast needs obs.since_seen"):
+        plan(pol, obs)
 
 
 def test_bad_tail():
-    with pytest.raises(ValueError, match=r"tail needs forecast='oracle' or 'visits', got 'ema'"):
-        P.Anneal(tail=4)
-    with pytest.raises(ValueError, match=r"tail must be >= 0, tail_decay in \(0, 1\]"):
-        P.Anneal(forecast="oracle", tail=4, tail_decay=0.0)
-    with pytest.raises(ValueError, match=r"overflow_link_ratio > 0; got .* 0.0"):
-        P.Anneal(forecast="oracle", tail=4, overflow_link_ratio=0.0)
+    with pytest.raises(ValueError, match=r"BeladyTail values blocks from the true future: it "):
+        presets.anneal_policy(tail=4)
+    with pytest.raises(ValueError, match=re.escape("tail_decay=0.0: expected a finite")):
+        presets.anneal_policy(forecast="oracle", tail=4, tail_decay=0.0)
+    with pytest.raises(ValueError, match=re.escape("overflow_link_ratio=0.0: expected a fin")):
+        presets.anneal_policy(tail_decay=0.5, overflow_link_ratio=0.0)  # checked without a tail
+    with pytest.raises(ValueError, match=re.escape("BeladyTail decay=0.0: expected a finite")):
+        O.BeladyTail(4, 0.1, 0.0)
 
 
 def test_tail_value_prices_a_resident_block_by_its_next_read_after_the_window():
     obs = observation()
-    pol = P.Anneal(
+    pol = anneal(
         forecast="oracle", window=2, tail=3, tail_value=0.5, tail_decay=0.5, overflow_value=0.0
     )
-    v = np.asarray(pol._tail_value(obs, 2))
+    assert pol.values == (O.BeladyTail(3, 0.5, 0.5),) and pol.horizon == 5
+    v = np.asarray(terminal_value(pol, obs))
+    # the plan's annealing problem carries the same value
+    np.testing.assert_array_equal(v, problem(pol, obs).value)
     f = np.asarray(obs.forecast)[2:5] > 0  # the tail steps, [3, L, N]
-    unit = pol.block_bytes / pol.profile.link_bandwidth
+    unit = ENV.block_bytes / ENV.profile.link_bandwidth
     for li, i in [(0, 0), (0, 5), (1, 7), (1, 19), (0, 22)]:
         hits = np.flatnonzero(f[:, li, i])
         resident = obs.valid[li, i] and obs.in_hbm[li, i]
@@ -350,34 +401,33 @@ def test_tail_value_prices_a_resident_block_by_its_next_read_after_the_window():
     assert np.any(v[np.asarray(obs.in_hbm)] > 0.0)
     # a pool with room for every valid block (20 here) never evicts: no value at all
     roomy = dataclasses.replace(obs, capacity=20)
-    assert not np.asarray(pol._tail_value(roomy, 2)).any()
+    assert not np.asarray(terminal_value(pol, roomy)).any()
 
 
 def test_dual_takes_the_value_to_go_at_the_window_end_and_keeps_the_dearest_block():
     obs = observation()
     r = np.random.default_rng(3)
     vg = jnp.asarray(r.random((H, L, N)) * 1e-3, jnp.float32)
-    pol = P.Anneal(name="anneal-oracle+dual", forecast="oracle", window=2, dual=True, config=FAST)
-    assert pol.needs_values and pol.horizon == 2
-    v = np.asarray(pol._tail_value(dataclasses.replace(obs, value_to_go=vg), 2))
+    pol = anneal(name="anneal-oracle+dual", forecast="oracle", window=2, dual=True)
+    assert pol.needs_values and pol.horizon == 2 and pol.values == (O.Dual(),)
+    v = np.asarray(terminal_value(pol, dataclasses.replace(obs, value_to_go=vg)))
     np.testing.assert_allclose(v, np.where(obs.valid, vg[1], 0.0))  # row W - 1, valid only
     # nothing read in the window, a pool of one slot: the block the dual values most stays
     quiet = dataclasses.replace(obs, forecast=jnp.zeros_like(obs.forecast), capacity=1)
     for li, i in ((0, 3), (1, 17)):
         vals = jnp.zeros((H, L, N), jnp.float32).at[:, li, i].set(1.0)
-        _, t = pol.plan(pol.init(L, N), dataclasses.replace(quiet, value_to_go=vals))
+        _, t = plan(pol, dataclasses.replace(quiet, value_to_go=vals))
         assert np.asarray(t)[li, i] and np.asarray(t)[li].sum() == 1
 
 
 def test_dual_validation():
-    msg = r"dual=True .* needs forecast='oracle' and adaptive=False"
-    with pytest.raises(ValueError, match=msg):
-        P.Anneal(forecast="ema", dual=True)
-    with pytest.raises(ValueError, match=msg):
-        P.Anneal(forecast="oracle", adaptive=True, dual=True)
-    pol = P.Anneal(forecast="oracle", window=2, dual=True, config=FAST)
+    with pytest.raises(ValueError, match=r"Dual values blocks .* needs the Oracle forecast"):
+        presets.anneal_policy(forecast="ema", dual=True)
+    with pytest.raises(ValueError, match=r"Dual needs a fixed window: got an adaptive one"):
+        presets.anneal_policy(forecast="oracle", adaptive=True, dual=True)
+    pol = anneal(forecast="oracle", window=2, dual=True)
     with pytest.raises(ValueError, match=r"needs obs.value_to_go of shape \[>= 2, layers, N\]"):
-        pol.plan(pol.init(L, N), observation())
+        plan(pol, observation())
 
 
 def test_overflow_value_counts_every_read_after_the_window_where_the_pool_overflows():
@@ -389,10 +439,11 @@ def test_overflow_value_counts_every_read_after_the_window_where_the_pool_overfl
     f[2:, :, [0, 10]] = 1.0  # blocks 0 (resident) and 10 (host) read at all 3 tail steps
     f[4, :, [1, 14]] = 1.0  # block 1 (resident) and 14 (host, unread at step 0): the last one
     obs = dataclasses.replace(obs, forecast=jnp.asarray(f))
-    pol = P.Anneal(forecast="oracle", window=2, tail=3, tail_value=0.5, tail_decay=0.5)
-    pol = dataclasses.replace(pol, overflow_value=0.2)
-    v = np.asarray(pol._tail_value(obs, 2))
-    unit = pol.block_bytes / pol.profile.link_bandwidth
+    kw = dict(forecast="oracle", window=2, tail=3, tail_value=0.5, tail_decay=0.5)
+    pol = anneal(overflow_value=0.2, **kw)
+    assert pol.values == (O.BeladyTail(3, 0.5, 0.5), O.Overflow(3, 0.2, 0.5, 1.2))
+    v = np.asarray(terminal_value(pol, obs))
+    unit = ENV.block_bytes / ENV.profile.link_bandwidth
     # layer 0: every read after the window, for resident blocks and the first step's reads
     assert v[0, 0] == pytest.approx(0.2 * unit * (1 + 0.5 + 0.25))
     assert v[0, 10] == pytest.approx(0.2 * unit * (1 + 0.5 + 0.25))
@@ -405,22 +456,22 @@ def test_overflow_value_counts_every_read_after_the_window_where_the_pool_overfl
     assert v[1, 10] == 0.0 and v[1, 14] == 0.0
     # without weights, layer 1's first step (1 resident read, 2 host reads) is link-bound under
     # the current placement: the whole-visit value applies there too
-    v = np.asarray(dataclasses.replace(pol, fixed_bytes=0.0)._tail_value(obs, 2))
+    v = np.asarray(terminal_value(pol, obs, NO_WEIGHTS))
     assert v[1, 0] == pytest.approx(0.2 * unit * (1 + 0.5 + 0.25))
     assert v[1, 10] == pytest.approx(0.2 * unit * (1 + 0.5 + 0.25))
     assert v[1, 14] == 0.0
     # link-bound by 1.1 x only: below the default ratio (1.2) Belady's value stays
-    b, prof = pol.block_bytes, pol.profile
-    fixed = prof.hbm_bandwidth * 2 * b / (prof.link_bandwidth * 1.1) - b
-    near = dataclasses.replace(pol, fixed_bytes=fixed)
-    assert np.asarray(near._tail_value(obs, 2))[1, 0] == pytest.approx(0.5 * unit)
-    v = np.asarray(dataclasses.replace(near, overflow_link_ratio=1.0)._tail_value(obs, 2))
+    b, prof = ENV.block_bytes, ENV.profile
+    near = CostModel(fixed_bytes=prof.hbm_bandwidth * 2 * b / (prof.link_bandwidth * 1.1) - b)
+    assert np.asarray(terminal_value(pol, obs, near))[1, 0] == pytest.approx(0.5 * unit)
+    ratio = anneal(overflow_value=0.2, overflow_link_ratio=1.0, **kw)
+    v = np.asarray(terminal_value(ratio, obs, near))
     assert v[1, 0] == pytest.approx(0.2 * unit * (1 + 0.5 + 0.25))
     # with `dual`, the dual's value replaces Belady's (layer 1) and the overflow layer keeps its
     # whole-visit value (layer 0)
     vg = np.random.default_rng(5).random((H, L, N)).astype(np.float32)
-    dual = dataclasses.replace(pol, dual=True)
-    v = np.asarray(dual._tail_value(dataclasses.replace(obs, value_to_go=jnp.asarray(vg)), 2))
+    dual = anneal(overflow_value=0.2, dual=True, **kw)
+    v = np.asarray(terminal_value(dual, dataclasses.replace(obs, value_to_go=jnp.asarray(vg))))
     np.testing.assert_allclose(v[1], np.where(obs.valid[1], vg[1, 1], 0.0))
     assert v[0, 0] == pytest.approx(0.2 * unit * (1 + 0.5 + 0.25))
     assert v[0, 2] == 0.0
@@ -430,36 +481,32 @@ def test_unforeseen_charges_the_reads_the_forecast_cannot_place():
     """Reads per step since the last plan minus the forecast's sum, times the host share of the
     (1 - a0)-weighted cold blocks, in bytes, on every step of the window."""
     obs = observation()
-    pol = P.Anneal(forecast="ema", window=H, interval=1, unforeseen=True)
+    pol = anneal(forecast="ema", window=H, interval=1, unforeseen=True)
+    assert pr.Unforeseen() in pol.terms
     state = pol.init(L, N)
     a = jnp.full((H, L, N), 0.1, jnp.float32) * obs.valid[None]
-    a0 = a[0]
-    got = np.asarray(pol._unforeseen_link(a, a0, obs, state))  # [L, H]
+    ctx = pr.PlanContext(obs, ENV, pol.forecast, a, jnp.ones((H,)), pol.next_window(state))
+    got = np.asarray(pr.Unforeseen()(pr.Pricing(ENV.profile), ctx).fixed_link)  # [L, H]
     wr, valid, hbm = (np.asarray(x) for x in (obs.window_reads, obs.valid, obs.in_hbm))
     for li in range(L):
         missing = max(wr[li].sum() / 1.0 - 0.1 * valid[li].sum(), 0.0)
         cold = 0.9 * valid[li]
         share = (cold * ~hbm[li]).sum() / cold.sum()
-        np.testing.assert_allclose(got[li], pol.block_bytes * missing * share, rtol=1e-5)
-
-
-def test_bad_ride():
-    with pytest.raises(ValueError, match=r"ride must lie in \[0, 1\], got 1.5"):
-        P.Anneal(ride=1.5)
+        np.testing.assert_allclose(got[li], ENV.block_bytes * missing * share, rtol=1e-5)
 
 
 def test_ride_prices_a_host_block_by_its_first_read():
     # forecast [W=5, layers=1, N=3]: block 0 read at steps 0, 2, 3; block 1 at 1, 2, 4; block 2
     # with probability 0.5 at every step
     a = jnp.asarray([[1.0, 0, 1, 1, 0], [0, 1, 1, 0, 1], [0.5] * 5]).T[:, None, :]
-    h = P.Anneal(ride=1.0)._host_loads(a)
+    h = pr.host_loads(a, 1.0, 0.0)
     hh, hl = np.asarray(h["host_hbm"][0]).T, np.asarray(h["host_link"][0]).T  # [N, W]
     # step 0 as held (a host read); later reads hit HBM, the first of them crosses the link
     np.testing.assert_allclose(hl[0], [1, 0, 1, 0, 0])
     np.testing.assert_allclose(hl[1], [0, 1, 0, 0, 0])
     np.testing.assert_allclose(hl[2], [0.5, 0.5, 0.25, 0.125, 0.0625])
     np.testing.assert_allclose(hh, np.asarray(a[:, 0]).T * (np.arange(5) >= 1))
-    half = P.Anneal(ride=0.5)._host_loads(a)
+    half = pr.host_loads(a, 0.5, 0.0)
     np.testing.assert_allclose(np.asarray(half["host_link"][0]).T[0], [1, 0, 1, 0.5, 0])
 
 
@@ -468,15 +515,14 @@ def test_ride_charges_the_displaced_block_where_the_pool_is_full():
     demotes a block: one more crossing of the link and one more HBM access."""
     a = jnp.asarray([[1.0, 0, 1, 1, 0], [0, 1, 1, 0, 1]]).T[:, None, :]  # [W=5, layers=1, N=2]
     a2 = jnp.concatenate([a, a], axis=1)  # two layers: pool full in layer 0 only
-    pol = P.Anneal(ride=1.0, demote_cost=1.0)
-    h = pol._host_loads(a2, jnp.asarray([True, False]))
-    plain = pol._host_loads(a2)
+    h = pr.host_loads(a2, 1.0, 1.0, jnp.asarray([True, False]))
+    plain = pr.host_loads(a2, 1.0, 1.0)
     first = np.asarray([[0, 0, 1, 0, 0], [0, 1, 0, 0, 0]], np.float32)  # [N, W]
     for key in ("host_link", "host_hbm"):
         got, ref = np.asarray(h[key]), np.asarray(plain[key])
         np.testing.assert_allclose(got[1], ref[1])  # room in the pool: nothing displaced
         np.testing.assert_allclose(got[0], ref[0] + first.T)
-    free = P.Anneal(ride=1.0, demote_cost=0.0)._host_loads(a2, jnp.asarray([True, True]))
+    free = pr.host_loads(a2, 1.0, 0.0, jnp.asarray([True, True]))
     np.testing.assert_allclose(np.asarray(free["host_link"]), np.asarray(plain["host_link"]))
 
 
@@ -503,48 +549,51 @@ def test_now_with_an_exclusive_cache_promotes_what_it_reads_again():
         capacity=cap,
     )
     slow = HardwareProfile("slow-link", hbm_bandwidth=1e13, link_bandwidth=1e9, hbm_bytes=1e9)
-    pol = P.get_policy(
-        "anneal",
-        **P.modifier_kwargs(("now",)),
-        window=3,
-        demote_cost=1.0,
-        profile=slow,
-        block_bytes=2048.0,
-        fixed_bytes=1e5,
-        config=FAST,
-    )
-    _, target = pol.plan(pol.init(1, n), obs)
+    env = CostModel(profile=slow, block_bytes=2048.0, fixed_bytes=1e5, demote_cost=1.0)
+    pol = presets.resolve("anneal+now", env, presets.Settings(config=FAST), window=3)
+    _, target = pol.plan(pol.init(1, n), obs, env)
     assert np.asarray(target[0]).tolist() == [True, False, False, False, True, False]
 
 
-def test_split_name_and_modifier_kwargs():
-    assert P.split_name("anneal+reuse+now") == ("anneal", ("reuse", "now"))
-    assert P.split_name("lru") == ("lru", ())
-    kw = P.modifier_kwargs(("reuse", "now"))
-    assert kw["forecast"] == "reuse" and kw["now"] and kw["ride"] == 1.0
-    assert kw["spread"] == P.NOW_SPREAD and not kw["adaptive"] and not kw["compensate"]
-    assert P.modifier_kwargs(("dual",))["dual"] and P.modifier_kwargs(("aw", "ec"))["adaptive"]
+def test_split_name_and_modifier_knobs():
+    assert presets.split_name("anneal+reuse+now") == ("anneal", ("reuse", "now"))
+    assert presets.split_name("lru") == ("lru", ())
+    knobs = {**presets.MODIFIERS["reuse"][1], **presets.MODIFIERS["now"][1]}
+    for pol in (presets.anneal_policy(**knobs), presets.resolve("anneal+reuse+now", ENV)):
+        assert pol.forecast == Now(Reuse())
+        assert pol.terms == (
+            pr.Unforeseen(),
+            pr.Ride(1.0),
+            pr.Spread(presets.NOW_SPREAD),
+        )  # no reserve
+        assert pol.adaptive is None and pol.compensate is None and pol.follow is None
+    assert presets.MODIFIERS["dual"][1]["dual"]
+    assert O.Dual() in presets.resolve("anneal-oracle+dual", ENV).values
+    assert presets.MODIFIERS["aw"][1]["adaptive"] and presets.MODIFIERS["ec"][1]["compensate"]
+    aw = presets.resolve("anneal+aw+ec", ENV)
+    assert aw.adaptive == pr.AdaptiveWindow(25, 100, 10) and aw.compensate == pr.Compensate()
     with pytest.raises(ValueError, match=r"unknown policy 'fifo\+now'; expected one of"):
-        P.split_name("fifo+now")
-    with pytest.raises(ValueError, match=r"\+visits cuts the oracle, for anneal-oracle only"):
-        P.split_name("anneal+visits")
+        presets.split_name("fifo+now")
+    with pytest.raises(ValueError, match=r"policy 'anneal\+visits': \+visits .*anneal-oracle"):
+        presets.split_name("anneal+visits")
 
 
-def test_bad_link_reserve():
-    with pytest.raises(ValueError, match=r"link_reserve must lie in \[0, 1\), got 1.0"):
-        P.Anneal(link_reserve=1.0)
+def test_follow_validation():
+    with pytest.raises(ValueError, match=r"Anneal follow plans a target from an online forecast"):
+        presets.anneal_policy(follow=True, now=True)
+    with pytest.raises(ValueError, match=r"Anneal follow plans a target .* got forecast Oracle"):
+        presets.anneal_policy(forecast="oracle", follow=True)
+    with pytest.raises(ValueError, match=r"Follow admit must be one of \('read', .*got 'x'"):
+        presets.anneal_policy(follow=True, follow_admit="x")
 
 
 def test_link_reserve_derates_online_planning_only():
-    online, oracle = P.Anneal(link_reserve=0.25), P.Anneal(forecast="oracle", link_reserve=0.25)
-    bw = online.profile.link_bandwidth
-    assert online._planning_profile().link_bandwidth == pytest.approx(0.75 * bw)
-    assert oracle._planning_profile().link_bandwidth == bw
-
-
-def test_learned_needs_params():
-    with pytest.raises(ValueError, match=r"forecast='learned' needs learned="):
-        P.Anneal(forecast="learned")
+    bw = ENV.profile.link_bandwidth
+    obs = observation()
+    for forecast, want in (("ema", 0.75 * bw), ("oracle", bw)):
+        pol = anneal(forecast=forecast, link_reserve=0.25, window=H)
+        assert pr.LinkReserve(0.25) in pol.terms
+        assert problem(pol, obs).profile.link_bandwidth == pytest.approx(want)
 
 
 def test_top_capacity_breaks_ties_by_index():

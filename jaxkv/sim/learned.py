@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxkv.forecasts import Forecast
 from jaxkv.importance import Stats, init_stats, update_stats
 from jaxkv.sim.trace import read_mask
 
@@ -149,3 +150,41 @@ def precision_recall(params, x, y, window: int = 50, threshold: float = 1.0):
     truth = y > 0
     tp = jnp.sum(pred & truth)
     return tp / jnp.maximum(jnp.sum(pred), 1), tp / jnp.maximum(jnp.sum(truth), 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnedForecast:
+    """A forecaster part for `jaxkv.policies.Anneal`: the logistic model with weights
+    `params` = (w_0, ..., w_5, b) (`train_learned`'s "w" then "b"), flat over the window. Its
+    features need the prompt length and block size: the plan's `CostModel` gives them."""
+
+    params: tuple
+    name = "learned"
+    oracle = False
+    knows_now = False
+    needs_forecast = False
+
+    def __post_init__(self):
+        if len(self.params) != NUM_FEATURES + 1:
+            raise ValueError(
+                f"LearnedForecast params must be (w_0, ..., w_{NUM_FEATURES - 1}, b): "
+                f"{NUM_FEATURES + 1} numbers, got {len(self.params)}"
+            )
+
+    @classmethod
+    def from_params(cls, params) -> LearnedForecast:
+        """From `train_learned`'s {"w", "b"}."""
+        w = [float(x) for x in np.asarray(params["w"])]
+        return cls(tuple(w + [float(params["b"])]))
+
+    def init(self, num_layers: int, num_blocks: int):
+        return ()
+
+    def update(self, state, obs, env, steps: int):
+        stats = Stats(obs.last_read, obs.read_ema, obs.mass_ema, obs.read_ema)
+        feats = features(stats, obs.step, obs.valid, env.prompt_len, env.block_size)
+        p = {
+            "w": jnp.asarray(self.params[:-1], jnp.float32),
+            "b": jnp.float32(self.params[-1]),
+        }
+        return state, Forecast(learned_forecast(p, feats, obs.valid, steps))
