@@ -162,7 +162,7 @@ def test_follow_plans_between_steps_and_follows_in_them(tiny, sparse_static):
     # recency, where promoting every block as it is read ("read") wins; the default "ranked"
     # wins where the read set churns (bench/RESULTS.md)
     dec, state = _sparse_run(tiny, "anneal+reuse+follow", 2, policy_kwargs={"follow_admit": "read"})
-    assert dec.follows and dec.policy.follow and dec.policy.window == 2
+    assert dec.follows and dec.policy.follow.admit == "read" and dec.policy.window == 2
     kvc.check_invariants(state.cache)
     np.testing.assert_array_equal(np.asarray(state.tokens), np.asarray(sparse_static.tokens))
     steps = int(state.step)
@@ -268,7 +268,11 @@ def test_adaptive_anneal_window_is_the_policys(tiny):
         topk=3,
     )
     dec = Decoder(model, _cfg(model, hbm=0.25), p, max_new_tokens=NEW)
-    assert dec.policy.adaptive and (dec.policy.min_window, dec.policy.max_window) == (2, 5)
+    assert (dec.policy.adaptive.low, dec.policy.adaptive.high, dec.policy.adaptive.step) == (
+        2,
+        5,
+        1,
+    )
     state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
     w = np.asarray(state.metrics.window_trace[: int(state.step)])
     assert w.min() >= 2 and w.max() <= 5 and len(set(w.tolist())) > 1

@@ -1,0 +1,93 @@
+"""The `follow` rule inside a decode step (`jaxkv.decode.Decoder` with a "+follow" policy).
+
+A follow policy plans only a target placement, between steps. At every step, inside each
+layer's body, `follow_layer` runs the vector rule `jaxkv.policies.follow_moves`: it promotes the
+host blocks the layer reads that the target marks for HBM, from the copies the read has just
+fetched (no second link read), and demotes, to make room, resident blocks the target leaves out.
+The layers' moves are gathered in per-layer lists, `FollowMoves`, carried through the layer scan;
+after the layers `apply_follow_moves` applies them all in one bulk migration.
+
+`FollowMoves` is a tuple of arrays, K = min(max_moves, batch * max_blocks):
+  (promote [layers, K] int32, num_promote [layers] int32,
+   demote [layers, K] int32, num_demote [layers] int32,
+   promoted keys [layers, K, block_size, kv_heads, head_dim],
+   promoted values [layers, K, block_size, kv_heads, head_dim])
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import cache as kvc
+from jaxkv.config import CacheConfig
+from jaxkv.policies import follow_moves
+
+FollowMoves = tuple  # see the module docstring
+
+
+def empty_follow_moves(c: CacheConfig, max_moves: int) -> FollowMoves:
+    """No moves yet, for every layer: the carry the layer scan starts from."""
+    L, N = c.num_layers, c.batch * c.max_blocks
+    K = max(0, min(max_moves, N))
+    blk = (c.block_size, c.kv_heads, c.head_dim)
+    zi, zn = jnp.zeros((L, K), jnp.int32), jnp.zeros((L,), jnp.int32)
+    zb = jnp.zeros((L, K, *blk), c.jnp_dtype)
+    return (zi, zn, zi, zn, zb, zb)
+
+
+def follow_layer(cache, layer, st, staged, pstate, fol: FollowMoves, *, num_blocks, admit):
+    """The `follow` rule of one layer (traced `layer`) after its read: the promotions and
+    the demotions that make room for them (`jaxkv.policies.follow_moves`), and the fetched
+    contents of the promoted blocks, written into the per-layer lists `fol`.
+
+    Args:
+      cache: the cache after this layer's token write.
+      st, staged: the layer's read statistics and staged host blocks (`tiered_attention` with
+        return_staging).
+      pstate: the policy's state (its `target` and `priority`, [layers, N]).
+      num_blocks: N = batch * max_blocks.
+      admit: `Follow.admit` of the policy."""
+    N = num_blocks
+    K = fol[0].shape[1]
+    sealed = cache.sealed[layer].reshape(1, N)
+    in_hbm = sealed & (cache.tier[layer].reshape(1, N) == kvc.TIER_HBM)
+    reads = (st.read_hbm | st.read_host).reshape(1, N)
+    room = jnp.sum(cache.hbm_free[layer])[None]
+    pro, n_p, dem, n_d = follow_moves(
+        in_hbm,
+        sealed,
+        reads,
+        pstate.target[layer][None],
+        pstate.priority[layer][None],
+        room,
+        K,
+        admit=admit,
+    )
+    sk, sv, stable = staged
+    at = jnp.take(stable.reshape(-1), pro[0])  # staging slot of each promoted block
+    P, NP, D, ND, PK, PV = fol
+    return (
+        P.at[layer].set(pro[0]),
+        NP.at[layer].set(n_p[0]),
+        D.at[layer].set(dem[0]),
+        ND.at[layer].set(n_d[0]),
+        PK.at[layer].set(sk[at].astype(PK.dtype)),
+        PV.at[layer].set(sv[at].astype(PV.dtype)),
+    )
+
+
+def apply_follow_moves(cache, fol: FollowMoves, after_reads):
+    """The layers' follow moves, all at once, from the blocks they fetched (after the reads
+    of `after_reads`, the step's logits).
+
+    Returns:
+      (cache, promoted [layers] int32, demoted [layers] int32)."""
+    with jax.named_scope("follow"):
+        before = cache.in_hbm
+        moves = kvc.Moves(demote=fol[2], promote=fol[0], num_demote=fol[3], num_promote=fol[1])
+        cache, _ = kvc.migrate(cache, moves, after_reads=after_reads, fetched=fol[4:])
+        now = cache.in_hbm
+        promoted = jnp.sum(now & ~before, axis=(1, 2)).astype(jnp.int32)
+        demoted = jnp.sum(before & ~now, axis=(1, 2)).astype(jnp.int32)
+    return cache, promoted, demoted

@@ -1,0 +1,54 @@
+"""What the placement policy sees at a plan of the decode loop (`jaxkv.decode.Decoder`): each
+layer's sliding window, the sealed blocks a later step can still read, and the `Observation` of
+every layer's blocks.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxkv import importance as imp
+from jaxkv.attention import window_starts
+from jaxkv.config import CacheConfig
+from jaxkv.policies import Observation
+
+
+def layer_windows(model_config):
+    """[layers] int32 sliding window of each layer (0: full attention), None without."""
+    if getattr(model_config, "sliding_window", None) is None:
+        return None
+    return jnp.asarray(model_config.layer_windows(), jnp.int32)
+
+
+def placeable(cache, c: CacheConfig, model_config):
+    """[layers, N] bool: the sealed blocks a later step can read. A block wholly before
+    its layer's sliding window at the next step is never read again (the window only
+    moves forward), so no plan targets it and it leaves HBM first."""
+    L, N = c.num_layers, c.batch * c.max_blocks
+    sealed = cache.sealed.reshape(L, N)
+    windows = layer_windows(model_config)
+    if windows is None:
+        return sealed
+    # the next step's query is at position `lengths`: it attends from lengths + 1 - w
+    starts = window_starts(cache.lengths[None] + 1, windows[:, None])  # [L, B]
+    ends = (jnp.arange(c.max_blocks, dtype=jnp.int32) + 1) * c.block_size
+    live = ends[None, None, :] > starts[:, :, None]  # [L, B, M]
+    return sealed & live.reshape(L, N)
+
+
+def observation(cache, stats: imp.Stats, step, c: CacheConfig, model_config) -> Observation:
+    """What the policy sees at a plan: every layer's blocks."""
+    L, N = c.num_layers, c.batch * c.max_blocks
+    return Observation(
+        in_hbm=cache.in_hbm.reshape(L, N),
+        valid=placeable(cache, c, model_config),
+        last_read=stats.last_read,
+        read_ema=stats.read_ema,
+        mass_ema=stats.mass_ema,
+        step=step,
+        window_reads=stats.window_reads,
+        since_seen=stats.since_seen,
+        since_read=stats.since_read,
+        streak=stats.streak,
+        capacity=c.hbm_pool_slots,
+    )

@@ -1,0 +1,222 @@
+"""The explicit state of the decode loop (`jaxkv.decode.Decoder`), how a step updates it, and
+its host-side summary.
+
+`DecodeState` is the pytree a Decoder's prefill returns and its steps take (donated) and
+return. It nests:
+  cache       the `TieredKVCache` (`jaxkv.cache`)
+  sampling    `SamplingState`: the tokens so far, the next input, finished sequences, the PRNG key
+  placement   `PlacementState`: window bookkeeping (W, steps since the last plan, this window's
+              HBM hit counts) and the placement policy's own state
+  statistics  `Statistics`: per-block read statistics the policy plans from
+  metrics     `Metrics`: per-step bytes read from each tier, the modeled step latency, blocks
+              migrated, HBM hits
+
+`new_window` starts a window's bookkeeping; `record_step` writes a decode step's reads, tokens
+and metrics into the state; `summarize` turns a finished state's metrics into a dict on the
+host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import cache as kvc
+from jaxkv import importance as imp
+from jaxkv._pytree import pytree_dataclass, replace
+from jaxkv.config import CacheConfig
+
+
+@pytree_dataclass
+class Metrics:
+    hbm_bytes: jax.Array  # [max_steps] f32: KV bytes read from HBM per step (all layers)
+    host_bytes: jax.Array  # [max_steps] f32: KV bytes read over the link per step
+    latency: jax.Array  # [max_steps] f32: modeled seconds per step (migrations included)
+    migrated_blocks: jax.Array  # [] int32
+    hbm_reads: jax.Array  # [] f32: block reads served from HBM
+    total_reads: jax.Array  # [] f32: block reads
+    windows: jax.Array  # [] int32: plans made
+    window_trace: jax.Array  # [max_steps] int32: W in force at each step
+
+
+@pytree_dataclass
+class SamplingState:
+    tokens: jax.Array  # [batch, max_new_tokens] int32; column 0 is the token sampled at prefill
+    last: jax.Array  # [batch] int32: the next input token
+    done: jax.Array  # [batch] bool: finished (EOS)
+    step: jax.Array  # [] int32: decode steps taken
+    key: jax.Array  # PRNG key
+
+
+@pytree_dataclass
+class PlacementState:
+    window: jax.Array  # [] int32: W, steps between plans
+    since_plan: jax.Array  # [] int32
+    win_hbm: jax.Array  # [] f32: HBM block reads in the current window
+    win_total: jax.Array  # [] f32: block reads in the current window
+    prev_hit: jax.Array  # [] f32: HBM hit rate of the previous window
+    policy: Any  # the policy's own state (`Policy.init`)
+
+
+@pytree_dataclass
+class Statistics:
+    blocks: imp.Stats  # per-block read statistics, [layers, batch * max_blocks]
+    step_mass: jax.Array  # [layers, batch, max_blocks] f32: last step's attention mass (0 unread)
+
+
+@pytree_dataclass
+class DecodeState:
+    cache: kvc.TieredKVCache
+    sampling: SamplingState
+    placement: PlacementState
+    statistics: Statistics
+    metrics: Metrics
+
+    # shortcuts to the nested fields read most
+    @property
+    def tokens(self) -> jax.Array:
+        return self.sampling.tokens
+
+    @property
+    def step(self) -> jax.Array:
+        return self.sampling.step
+
+    @property
+    def done(self) -> jax.Array:
+        return self.sampling.done
+
+    @property
+    def window(self) -> jax.Array:
+        return self.placement.window
+
+    @property
+    def policy_state(self) -> Any:
+        return self.placement.policy
+
+    @property
+    def stats(self) -> imp.Stats:
+        return self.statistics.blocks
+
+    @property
+    def step_mass(self) -> jax.Array:
+        return self.statistics.step_mass
+
+    @property
+    def num_tokens(self) -> jax.Array:
+        """[] int32: tokens generated per sequence so far (the prefill token included)."""
+        return self.sampling.step + 1
+
+
+def new_window(window, prev_hit, policy) -> PlacementState:
+    """The placement state at the start of a window of W=`window` steps, none taken yet."""
+    return PlacementState(
+        window=window,
+        since_plan=jnp.int32(0),
+        win_hbm=jnp.float32(0),
+        win_total=jnp.float32(0),
+        prev_hit=prev_hit,
+        policy=policy,
+    )
+
+
+def record_step(
+    c: CacheConfig, state: DecodeState, cache, sampled, reads, promoted, demoted
+) -> tuple[DecodeState, jax.Array, jax.Array]:
+    """The state after one decode step, before any plan: the new cache and sampling state, the
+    read statistics, the window's hit counts and the step's metrics (but for its latency).
+
+    Args:
+      c: the cache's config.
+      state: the state before the step.
+      cache: the cache after the step.
+      sampled: (key, next tokens [batch], token buffer, done [batch]) after sampling.
+      reads: (read_hbm, read_host, mass), [layers, batch, max_blocks]: the step's block reads.
+      promoted, demoted: [layers] int32 blocks the step's follow moves migrated.
+
+    Returns:
+      (state, hbm_b, host_b): the KV bytes the step read from each tier, [layers] f32."""
+    L, N = c.num_layers, c.batch * c.max_blocks
+    key, nxt, tokens, done = sampled
+    read_hbm, read_host, mass = reads
+    step = state.sampling.step
+    read = read_hbm | read_host
+    stats = imp.update_stats(
+        state.statistics.blocks,
+        read.reshape(L, N),
+        mass.reshape(L, N),
+        step,
+        state.cache.sealed.reshape(L, N),
+    )
+    bb = float(c.block_bytes)
+    hbm_b = read_hbm.sum(axis=(1, 2)) * bb  # [L]
+    host_b = read_host.sum(axis=(1, 2)) * bb
+    n_hbm, n_all = read_hbm.sum().astype(jnp.float32), read.sum().astype(jnp.float32)
+    m = state.metrics
+    metrics = replace(
+        m,
+        hbm_bytes=m.hbm_bytes.at[step].set(hbm_b.sum()),
+        host_bytes=m.host_bytes.at[step].set(host_b.sum()),
+        migrated_blocks=m.migrated_blocks + (promoted + demoted).sum(),
+        hbm_reads=m.hbm_reads + n_hbm,
+        total_reads=m.total_reads + n_all,
+        window_trace=m.window_trace.at[step].set(state.placement.window),
+    )
+    pl = state.placement
+    state = DecodeState(
+        cache=cache,
+        sampling=SamplingState(tokens=tokens, last=nxt, done=done, step=step + 1, key=key),
+        placement=replace(
+            pl,
+            since_plan=pl.since_plan + 1,
+            win_hbm=pl.win_hbm + n_hbm,
+            win_total=pl.win_total + n_all,
+        ),
+        statistics=Statistics(blocks=stats, step_mass=mass),
+        metrics=metrics,
+    )
+    return state, hbm_b, host_b
+
+
+def summarize(
+    state: DecodeState, *, plan_seconds: float | None = None, step_seconds: float | None = None
+) -> dict:
+    """Host-side summary of a finished decode: hit rate, migrations, modeled time.
+
+    With `plan_seconds` (one plan's wall time on the present device, `Decoder.plan_seconds`)
+    it adds the planning cost: `plan_ms`, `plan_ms_per_step` (a plan per window, spread over
+    the steps) and, with `step_seconds` too (the measured wall time of one decode step on the
+    same device), `plan_share` (planning time per step over the step's wall time) and
+    `modeled_tokens_per_s_with_plan`: the modeled time with each step lengthened by that
+    share, i.e. planning charged serially, as it runs on this device, and at the speed ratio
+    this device shows between the plan and the step (the modeled step is a GPU's; the plan
+    is not modeled)."""
+    m = jax.device_get(state.metrics)
+    steps = int(state.step)
+    lat = float(np.sum(m.latency[:steps]))
+    batch = state.tokens.shape[0]
+    out = {
+        "steps": steps,
+        "hbm_hit_rate": float(m.hbm_reads / max(m.total_reads, 1.0)),
+        "migrated_blocks": int(m.migrated_blocks),
+        "modeled_seconds": lat,
+        "modeled_tokens_per_s": batch * steps / lat if lat > 0 else float("nan"),
+        "hbm_bytes": float(np.sum(m.hbm_bytes[:steps])),
+        "host_bytes": float(np.sum(m.host_bytes[:steps])),
+        "windows": int(m.windows),
+    }
+    if plan_seconds is not None:
+        per_step = plan_seconds * int(m.windows) / max(steps, 1)
+        out.update(plan_ms=1e3 * plan_seconds, plan_ms_per_step=1e3 * per_step)
+        if step_seconds is not None and step_seconds > 0:
+            share = per_step / step_seconds
+            charged = lat * (1.0 + share)
+            out.update(
+                plan_share=share,
+                modeled_tokens_per_s_with_plan=batch * steps / charged
+                if charged > 0
+                else float("nan"),
+            )
+    return out

@@ -1,0 +1,56 @@
+"""Token samplers of the decode loop (`jaxkv.decode.Decoder`'s `sampler`).
+
+A sampler is a frozen, hashable dataclass (static configuration of a jitted step) called as
+`sampler(logits, key)`: [batch, vocab] logits and a PRNG key -> [batch] int32 token ids.
+`Greedy` takes the argmax; `Sampling` draws at a temperature, optionally truncated to the top-k
+tokens and to the nucleus (top-p).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Greedy:
+    """Argmax sampling."""
+
+    def __call__(self, logits, key):  # [batch, vocab] -> [batch] int32
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Temperature sampling with optional top-k and nucleus (top-p) truncation."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        if not 0 < self.temperature < math.inf:
+            raise ValueError(f"temperature must be finite and > 0, got {self.temperature!r}")
+        k = self.top_k
+        if k is not None and (not isinstance(k, int | np.integer) or isinstance(k, bool) or k < 1):
+            raise ValueError(f"top_k must be an int >= 1 or None, got {k!r}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1] or be None, got {self.top_p!r}")
+
+    def __call__(self, logits, key):  # [batch, vocab] -> [batch] int32
+        logits = logits.astype(jnp.float32) / self.temperature
+        if self.top_k is not None:
+            kth = jax.lax.top_k(logits, min(self.top_k, logits.shape[-1]))[0][..., -1:]
+            logits = jnp.where(logits < kth, -jnp.inf, logits)
+        if self.top_p is not None:
+            sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+            cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+            # keep the smallest prefix whose mass reaches top_p (at least one token)
+            cutoff_idx = jnp.sum(cum < self.top_p, axis=-1, keepdims=True)
+            cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
+            logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+        return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
