@@ -15,9 +15,11 @@ from hypothesis import strategies as st
 
 from jaxkv import cli, cost
 from jaxkv import policies as pol
+from jaxkv.config import AnnealConfig, HardwareProfile
+from jaxkv.forecasts import Now, Reuse
+from jaxkv.pricing import Ride, Spread
 from jaxkv.sim import simulate as sim
 from jaxkv.sim import trace as tr
-from jaxkv.config import AnnealConfig, HardwareProfile
 
 PROF = HardwareProfile("t", 10.0, 1.0, 1e9)  # bytes per second: HBM 10, link 1
 GEO = cost.Geometry("t", 1, 1, 1, 2, 10.0, 0.0)  # 4 bytes per token-layer, 10 bytes of weights
@@ -335,10 +337,11 @@ def test_now_promotes_a_visit_at_its_first_read():
     assert out["anneal"]["hbm_hit_rate"] == pytest.approx(3 / 5)
     assert out["anneal+now"]["hbm_hit_rate"] == pytest.approx(4 / 5)
     assert out["anneal+now"]["latency_s"] < out["anneal"]["latency_s"]
-    pol = sim.make_policy("anneal+reuse+now", sim.Setup(8, 1, 1, 13, 2, 4, 10.0, PROF), window=3)
-    assert pol.now and pol.ride == 1.0 and pol.forecast == "reuse" and pol.horizon == 1
-    assert pol.spread == sim.NOW_SPREAD > 0
-    assert sim.make_policy("anneal+reuse", sim.Setup(8, 1, 1, 13, 2, 4, 10.0, PROF)).spread == 0
+    setup = sim.Setup(8, 1, 1, 13, 2, 4, 10.0, PROF)
+    p = sim.make_policy("anneal+reuse+now", setup, window=3)
+    assert p.forecast == Now(Reuse()) and p.horizon == 1 and p.needs_forecast
+    assert Ride(1.0) in p.terms and Spread(sim.NOW_SPREAD) in p.terms and sim.NOW_SPREAD > 0
+    assert not any(isinstance(t, Spread) for t in sim.make_policy("anneal+reuse", setup).terms)
 
 
 # the rule as the target follows it literally (`follow_moves` may take other admit rules)
@@ -416,7 +419,7 @@ def test_follow_policy_step_by_step():
     policy = sim.make_policy(
         "anneal+reuse+follow", setup, anneal_config=FAST, window=W, interval=0, **lit
     )
-    assert policy.follow and policy.forecast == "reuse" and not policy.needs_forecast
+    assert policy.follow is not None and policy.forecast == Reuse() and not policy.needs_forecast
     steps = trace.steps
     mass = trace.mass(0, steps + 1)
     reads = np.asarray(sim.read_mask(mass, trace.prompt_len, trace.block_size, sparsity, 0))
@@ -514,7 +517,7 @@ def test_follow_admit_read_promotes_every_host_read():
     policy = sim.make_policy(
         "anneal+reuse+follow", setup, anneal_config=FAST, window=W, interval=0, follow_admit="read"
     )
-    assert policy.follow_admit == "read"
+    assert policy.follow.admit == "read"
     steps = trace.steps
     mass = trace.mass(0, steps + 1)
     reads = np.asarray(sim.read_mask(mass, trace.prompt_len, trace.block_size, sparsity, 0))
@@ -568,7 +571,7 @@ def test_simulate_follow_admit_and_ride():
     res = sim.simulate(_follow_trace(), names, ride=0.0, **kw)["policies"]
     assert [res[n]["ride"] for n in names] == [0.0, 0.0, 0.0]
     if LITERAL:
-        assert res["anneal+reuse+follow"]["follow_admit"] == pol.Anneal().follow_admit
+        assert res["anneal+reuse+follow"]["follow_admit"] == pol.Follow().admit
         for a in ("read", "ranked", "target"):
             got = sim.simulate(_follow_trace(), names[:1], follow_admit=a, **kw)["policies"]
             assert got[names[0]]["follow_admit"] == a

@@ -5,17 +5,11 @@ from __future__ import annotations
 import json
 
 from jaxkv import cost
-from jaxkv.sim import trace as tr
 from jaxkv.config import AnnealConfig, HardwareProfile, check_number
-from jaxkv.sim.simulate import (
-    ARG_BOUNDS,
-    DUAL_WINDOW,
-    FOLLOW_WINDOW,
-    NOW_SPREAD,
-    check_args,
-    check_policies,
-    simulate,
-)
+from jaxkv.presets import NOW_SPREAD, NOW_WINDOW
+from jaxkv.sim import trace as tr
+from jaxkv.sim.checks import ARG_BOUNDS, check_args, check_policies
+from jaxkv.sim.simulate import DUAL_WINDOW, FOLLOW_WINDOW, simulate
 
 # the sizes of a synthetic trace (`jaxkv.sim.trace.SyntheticTrace`) by default
 TRACE_SIZE = {"prompt_len": 31_299, "steps": 2_048, "layers": 32, "block_size": 16}
@@ -103,7 +97,7 @@ def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> 
     p.add_argument(
         "--now-window",
         type=int,
-        default=3,
+        default=NOW_WINDOW,
         help="anneal+now: lookahead W (it knows the step it plans for, so plans over few steps)",
     )
     p.add_argument(
@@ -111,7 +105,7 @@ def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> 
         type=float,
         default=NOW_SPREAD,
         help="anneal+now: later steps priced at their expected time with this multiple of the "
-        "forecast's deviation (jaxkv.policies.Anneal.spread); 0 = the max of expected loads",
+        "forecast's deviation (jaxkv.pricing.Spread); 0 = the max of expected loads",
     )
     p.add_argument("--oracle-window", type=int, default=3, help="anneal-oracle lookahead W")
     p.add_argument(
@@ -147,7 +141,7 @@ def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> 
         default=None,
         help="anneal+follow: which host blocks a step reads its rule may promote "
         "(jaxkv.policies.follow_moves): every one (read), one that outranks its victim "
-        "(ranked), or the target's only (target); default: the policy's (Anneal.follow_admit)",
+        "(ranked), or the target's only (target); default: the preset's (jaxkv.policies.Follow)",
     )
     p.add_argument(
         "--ride",

@@ -235,10 +235,10 @@ class SyntheticTrace:
       recency-high: the same with a noise redrawn every step and larger spread.
       real-like: recency x a slow noise (drifting over REAL_LIKE[0] steps) x a fast noise
         redrawn every step, calibrated to a recorded token-level trace of the default model
-        (bench/RESULTS.md, "Trace dynamics"): at s = 0.6 about 30% of the read set swaps per
-        step, and about 45% of the blocks that leave it are read again two steps later
-        (borderline tokens flicker in and out of the top set, as the paper's Reactive figures
-        imply for its real trace); recency-low has 9% and 2%.
+        (bench/notebook/2026-12-01-results-history.md, "Trace dynamics"): at s = 0.6 about 30%
+        of the read set swaps per step, and about 45% of the blocks that leave it are read
+        again two steps later (borderline tokens flicker in and out of the top set, as the
+        paper's Reactive figures imply for its real trace); recency-low has 9% and 2%.
       patterns: the seed's mixture: steady-hot blocks (always heavy), intermittent bursts (on
         for a while, then off), late-long-tail blocks (old blocks that gain weight as decoding
         goes on), over a recency background.
