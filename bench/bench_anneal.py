@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import anneal, cost
-from jaxkv.sim import trace as tr
 from jaxkv.config import AnnealConfig, HardwareProfile
+from jaxkv.sim import trace as tr
 from jaxkv.sim.trace import read_mask
 
 

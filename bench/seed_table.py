@@ -48,9 +48,9 @@ import numpy as np
 from _progress import tqdm  # tqdm, or a stand-in where it is missing
 
 from jaxkv import cost
+from jaxkv.config import HardwareProfile
 from jaxkv.sim import simulate as sim
 from jaxkv.sim import trace as tr
-from jaxkv.config import HardwareProfile
 from jaxkv.sim.cli import add_simulation_args, simulation_kwargs
 
 # The seed's published table (theirs; A100 80GB, model and trace not named): tokens/s at 4k,

@@ -44,9 +44,9 @@ import jax  # noqa: E402
 from _progress import tqdm  # noqa: E402  (tqdm, or a stand-in where it is missing)
 
 from jaxkv import cost  # noqa: E402
+from jaxkv.config import AnnealConfig, HardwareProfile  # noqa: E402
 from jaxkv.sim import simulate as sim  # noqa: E402
 from jaxkv.sim import trace as tr  # noqa: E402
-from jaxkv.config import AnnealConfig, HardwareProfile  # noqa: E402
 
 TRACES = ("recency-low", "recency-high", "patterns", "real-like")
 TOL = 0.02  # a value within 2% of the best latency counts as level with it

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from jaxkv.sim import trace as kvtrace
 from jaxkv.config import CacheConfig, PlacementConfig, check_number
 from jaxkv.decode import Decoder
+from jaxkv.sim import trace as kvtrace
 from models.generate import check_model_spec, encode, load_model
 
 

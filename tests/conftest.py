@@ -3,9 +3,14 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from hypothesis import settings
 
 from jaxkv import cache as kvc
 from jaxkv.config import CacheConfig
+
+# property tests draw the same examples on every machine (CI reruns what passed here)
+settings.register_profile("jaxkv", derandomize=True, database=None)
+settings.load_profile("jaxkv")
 
 
 @pytest.fixture(autouse=True, scope="module")

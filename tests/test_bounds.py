@@ -8,11 +8,11 @@ from conftest import random_block_trace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxkv.sim import bounds as bnd
 from jaxkv import cost
+from jaxkv.config import AnnealConfig, HardwareProfile
+from jaxkv.sim import bounds as bnd
 from jaxkv.sim import simulate as sim
 from jaxkv.sim import trace as tr
-from jaxkv.config import AnnealConfig, HardwareProfile
 from jaxkv.sim.cli import format_table
 
 PROF = HardwareProfile("t", 10.0, 1.0, 1e9)  # bytes per second: HBM 10, link 1

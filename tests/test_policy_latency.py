@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from jaxkv import cost
+from jaxkv.config import AnnealConfig, HardwareProfile
 from jaxkv.sim import simulate as sim
 from jaxkv.sim import trace as tr
-from jaxkv.config import AnnealConfig, HardwareProfile
 
 PROF = HardwareProfile("t", 10.0, 1.0, 1e9)  # bytes per second: HBM 10, link 1
 GEO = cost.Geometry("t", 1, 1, 1, 2, 10.0, 0.0)  # 4 bytes per token-layer, 10 bytes of weights

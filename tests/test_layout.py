@@ -1,0 +1,136 @@
+"""The house rules: the runtime imports nothing of the research side, no import cycles, no module
+over 600 lines."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("jaxkv", "pallas_kernels", "models")
+MAX_LINES = 600
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """Dotted name -> file of every module of the project's packages."""
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def _imports(path: pathlib.Path, name: str, known) -> set[str]:
+    """The project modules `path` imports anywhere (module level or inside functions)."""
+    found = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def _graph():
+    mods = _modules()
+    return {name: _imports(path, name, mods) for name, path in mods.items()}
+
+
+def _cycles(graph) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _is_package(name: str) -> bool:
+    return name in PACKAGES or name == "jaxkv.sim"
+
+
+def test_no_import_cycles():
+    graph = {
+        m: {t for t in ts if not _is_package(t)} for m, ts in _graph().items()
+    }  # a package's __init__ imports nothing of its modules here
+    assert _cycles(graph) == []
+
+
+def test_the_runtime_imports_nothing_of_the_research_side():
+    """No module of jaxkv outside jaxkv.sim imports jaxkv.sim, even inside a function. (The
+    oracle presets are loaded by name, on demand, when a simulator asks for one:
+    `jaxkv.presets.resolve`.)"""
+    bad = {
+        m: sorted(t for t in ts if t.startswith("jaxkv.sim"))
+        for m, ts in _graph().items()
+        if m.startswith("jaxkv") and not m.startswith("jaxkv.sim")
+    }
+    assert {m: ts for m, ts in bad.items() if ts} == {}
+
+
+def test_no_module_over_600_lines():
+    long = {}
+    for folder in (*PACKAGES, "bench"):
+        for path in (ROOT / folder).rglob("*.py"):
+            n = len(path.read_text().splitlines())
+            if n >= MAX_LINES:
+                long[str(path.relative_to(ROOT))] = n
+    assert long == {}
+
+
+def test_runtime_import_loads_no_scipy_optax_or_research_module():
+    """A fresh interpreter imports the decode loop and builds every online preset: neither
+    scipy, optax nor any module of jaxkv.sim is loaded."""
+    code = """
+import sys
+import jaxkv.decode, jaxkv.cache, jaxkv.attention, jaxkv.presets as pr
+from jaxkv.cost import CostModel
+for name in ("static", "lru", "anneal", "anneal+reuse", "anneal+reuse+follow", "anneal+aw+ec"):
+    pr.resolve(name, CostModel())
+bad = sorted(m for m in sys.modules if m.split(".")[0] in ("scipy", "optax")
+             or m.startswith("jaxkv.sim"))
+print(bad)
+"""
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,23 @@
+"""The README's Python examples run as printed."""
+
+import pathlib
+import re
+
+import pytest
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+def test_readme_has_its_examples():
+    assert any("Decoder(" in b for b in BLOCKS) and any("presets.resolve" in b for b in BLOCKS)
+
+
+@pytest.mark.parametrize("i", range(len(BLOCKS)))
+def test_readme_example_runs(i, capsys):
+    code = BLOCKS[i]
+    if "generate(" in code:  # the model example: a shorter decode keeps the suite quick
+        code = code.replace("max_new_tokens=128", "max_new_tokens=8").replace(
+            "(1, 1000)", "(1, 100)"
+        )
+    exec(compile(code, f"README.md example {i}", "exec"), {})
