@@ -5,8 +5,9 @@ and real-like synthetic traces (`jaxkv.sim.trace`), judged by `jaxkv.sim.simulat
   capacity  the HBM pool, 10-90% of the KV footprint (static, lru, paper-sa[10,1.0], anneal)
   window    anneal's fixed window W (steps between plans and their lookahead, as in the seed and
             the decode loop) against the seed's adaptive `+aw` (start 50, +-10, within [20, 100])
-  ec        forecast-error compensation `+ec` off / on, its threshold (`Anneal.error_threshold`,
-            the seed's 15%) and rollback (`Anneal.rollback`, the seed's last 5)
+  ec        forecast-error compensation `+ec` off / on, its threshold
+            (`pricing.Compensate.threshold`, the seed's 15%) and rollback (its `rollback`, the
+            seed's last 5)
   budget    migrations per layer per window (`Anneal.budget`; the decode loop's max_moves)
   chains, t0, cooling, stop   `AnnealConfig.chains`, `.t0_fraction`, `.cooling`, `.patience`
   r         paper-sa's R (`paper-sa[10,R]`) on a fast link (gh200) and a bandwidth-limited one

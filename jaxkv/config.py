@@ -308,8 +308,8 @@ class PlacementConfig:
     """How and when the decode loop re-plans placement.
 
     Attributes:
-      policy: policy name (see `jaxkv.policies.POLICIES`), "anneal" with the modifiers
-        +reuse, +follow, +aw, +ec (`jaxkv.policies.split_name`; the decode loop's best live
+      policy: policy name (a preset of `jaxkv.presets`), "anneal" with the modifiers
+        +reuse, +follow, +aw, +ec (`jaxkv.presets.split_name`; the decode loop's best live
         policy is "anneal+reuse+follow").
       window: steps between plans (W); held in the decode state, so changing it never recompiles.
       adaptive_window: adapt W by +-window_step from the HBM hit rate, within

@@ -15,7 +15,7 @@ write, the block selection, the host read and the attention.
 
 What a plan does depends on the policy. Most (static, lru, anneal, anneal+reuse) return a
 target placement that `plan_moves` bounds to a migration budget and the cache migrates to in
-bulk. A `follow` policy ("anneal+reuse+follow", `jaxkv.policies.Anneal.follow`) only sets a
+bulk. A `follow` policy ("anneal+reuse+follow", `jaxkv.policies.Follow`) only sets a
 target; then at every step, inside each layer's body, the vector rule
 `jaxkv.policies.follow_moves` promotes the host blocks the layer reads that the target marks
 for HBM, from the copies the read has just fetched (no second link read), and demotes, to make

@@ -148,7 +148,7 @@ def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> 
         type=float,
         default=None,
         help="anneal policies: share of later re-plans priced in (promotion at a block's first "
-        "read; jaxkv.policies.Anneal.ride), 0 = a plan's placement held over its window; "
+        "read; jaxkv.pricing.Ride), 0 = a plan's placement held over its window; "
         "default: each policy's own (0 for anneal, 1 for +now / +follow)",
     )
     p.add_argument("--chains", type=int, default=8, help="anneal chains")
