@@ -21,3 +21,16 @@ def test_readme_example_runs(i, capsys):
             "(1, 1000)", "(1, 100)"
         )
     exec(compile(code, f"README.md example {i}", "exec"), {})
+
+
+def test_every_policy_name_on_the_results_page_resolves():
+    """Every policy name bench/RESULTS.md reports a figure for is still a preset."""
+    from jaxkv import presets
+    from jaxkv.cost import CostModel
+
+    text = (README.parent / "bench" / "RESULTS.md").read_text()
+    found = set(re.findall(r"\b(anneal(?:-oracle)?(?:\+[a-z]+)*|paper-sa\[\d+,[\d.]+\])", text))
+    assert {"anneal+reuse+follow", "anneal-oracle+dual"} <= found
+    for name in sorted(found):
+        policy = presets.resolve(name, CostModel())
+        assert policy.name.startswith(name.split("+")[0].split("[")[0]), name
