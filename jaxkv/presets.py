@@ -78,38 +78,41 @@ MODIFIERS: dict[str, tuple[str, dict]] = {
 
 FORECASTS = ("ema", "reuse", "learned", "oracle", "visits")
 
-# the flat knobs of `anneal_policy` and their defaults (the `overrides` of `resolve`)
+# the flat knobs of `anneal_policy` and their defaults: the runtime parts' own defaults; the
+# oracle parts' (BeladyTail, Overflow) live in jaxkv.sim.oracles, which this module must not
+# import, so theirs are restated here (tests/test_policies.py checks they agree)
+_A, _AW, _EC = Anneal(), AdaptiveWindow(), Compensate()
 KNOBS: dict[str, Any] = dict(
-    name="anneal",
+    name=_A.name,
     forecast="ema",
     learned=None,
     now=False,
-    window=50,
-    interval=0,
-    discount=1.0,
-    hysteresis=0.0,
-    budget=None,
-    config=AnnealConfig(),
-    seed=0,
-    link_reserve=0.5,
+    window=_A.window,
+    interval=_A.interval,
+    discount=_A.discount,
+    hysteresis=_A.hysteresis,
+    budget=_A.budget,
+    config=_A.config,
+    seed=_A.seed,
+    link_reserve=LinkReserve().share,
     unforeseen=False,
     ride=0.0,
     spread=0.0,
     tail=0,
-    tail_value=0.1,
-    tail_decay=0.9,
-    overflow_value=0.03,
-    overflow_link_ratio=1.2,
+    tail_value=0.1,  # BeladyTail().value
+    tail_decay=0.9,  # BeladyTail().decay, Overflow().decay
+    overflow_value=0.03,  # Overflow().value
+    overflow_link_ratio=1.2,  # Overflow().link_ratio
     dual=False,
     adaptive=False,
-    min_window=20,
-    max_window=100,
-    window_step=10,
+    min_window=_AW.low,
+    max_window=_AW.high,
+    window_step=_AW.step,
     compensate=False,
-    error_threshold=0.15,
-    rollback=5,
+    error_threshold=_EC.threshold,
+    rollback=_EC.rollback,
     follow=False,
-    follow_admit="ranked",
+    follow_admit=Follow().admit,
 )
 
 

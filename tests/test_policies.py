@@ -599,3 +599,15 @@ def test_link_reserve_derates_online_planning_only():
 def test_top_capacity_breaks_ties_by_index():
     t = P.top_capacity(jnp.zeros((1, 5)), jnp.ones((1, 5), bool), 2)
     np.testing.assert_array_equal(t, [[True, True, False, False, False]])
+
+
+def test_oracle_knob_defaults_are_the_parts_defaults():
+    """presets restates the oracle parts' defaults (it must not import jaxkv.sim): they agree."""
+    b, ov = O.BeladyTail(), O.Overflow()
+    k = presets.KNOBS
+    assert (k["tail_value"], k["tail_decay"]) == (b.value, b.decay)
+    assert (k["overflow_value"], k["tail_decay"], k["overflow_link_ratio"]) == (
+        ov.value,
+        ov.decay,
+        ov.link_ratio,
+    )
