@@ -21,6 +21,8 @@ import time
 
 import jax
 
+from jaxkv import cost
+from jaxkv.quant import fp8_block_bytes
 from jaxkv.sim import lp_bound as lpb
 from jaxkv.sim import simulate as sim
 from jaxkv.sim import trace as tr
@@ -41,11 +43,17 @@ def run(spec: str, sparsity: float, names, args) -> dict:
     t = time.perf_counter()
     res = sim.simulate(trace, names, sparsity=sparsity, progress=not args.quiet, **kw)
     res["wall_s"] = time.perf_counter() - t
+    g, profile = kw["geometry"], kw["profile"]
+    if args.fp8 == "host":  # the LP prices blocks at bf16 bytes over the FP8 link's bandwidth
+        bb = g.token_bytes * args.block_size
+        profile = cost.link_profile(
+            profile, bb, fp8_block_bytes(args.block_size, g.kv_heads, g.head_dim)
+        )
     lp = lpb.lp_bound_seconds(
         trace,
         sparsity,
-        geometry=kw["geometry"],
-        profile=kw["profile"],
+        geometry=g,
+        profile=profile,
         capacity_blocks=args.capacity_blocks,
         hbm_budget=kw["hbm_budget"],
         steps=args.steps,

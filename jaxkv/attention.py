@@ -20,8 +20,9 @@ import jax.numpy as jnp
 
 from jaxkv._pytree import pytree_dataclass
 from jaxkv.cache import TieredKVCache
+from jaxkv.cache_layout import read_host as read_host_blocks
 from jaxkv.config import TIER_HBM, TIER_HOST, PlacementConfig
-from jaxkv.transfer import read_blocks, rows_of
+from jaxkv.transfer import rows_of
 from pallas_kernels.blocked_attention import (
     blocked_attention,
     blocked_attention_reference,
@@ -153,9 +154,7 @@ def fetch_host_blocks(cache: TieredKVCache, layer, read_host, num_staging: int):
     B = read_host.shape[0]
     slot = jnp.take_along_axis(cache.slot[layer], jnp.maximum(ids, 0), axis=1)
     listed = rows_of(layer, slot, ids >= 0, c.host_blocks).reshape(-1)  # [B * K]
-    kind = c.host_memory_kind
-    sk = read_blocks(cache.host_k, listed, c.fetch, pool_kind=kind)
-    sv = read_blocks(cache.host_v, listed, c.fetch, pool_kind=kind)
+    sk, sv = read_host_blocks(cache, listed)  # dequantized on the device under fp8="host"
     rank = (jnp.cumsum(read_host, axis=1) - 1).astype(jnp.int32)
     staging_table = jnp.where(read_host, jnp.arange(B, dtype=jnp.int32)[:, None] * K + rank, 0)
     return sk, sv, staging_table, ids

@@ -38,12 +38,15 @@ from jaxkv.cache_layout import (  # noqa: F401  (re-exported: callers use `jaxkv
     cache_shardings,
     check_host_pool,
     gpu_host_limit_bytes,
+    host_pool_blocks,
+    read_host,
     run_in_kinds,
+    write_host,
 )
 from jaxkv.config import HBM_KIND, TIER_HBM, TIER_HOST, TIER_NONE
 from jaxkv.migration import Moves, migrate, plan_moves  # noqa: F401  (re-exported)
 from jaxkv.slot_ops import first_free, take
-from jaxkv.transfer import rows_of, to_kind, traced, write_blocks
+from jaxkv.transfer import rows_of, to_kind, traced
 from pallas_kernels.compaction import compaction, compaction_moves
 
 
@@ -116,8 +119,7 @@ def _prefill(cache: TieredKVCache, k, v, lengths) -> TieredKVCache:
         cache,
         hbm_k=to_kind(hk, HBM_KIND),
         hbm_v=to_kind(hv, HBM_KIND),
-        host_k=to_kind(xk, c.host_memory_kind),
-        host_v=to_kind(xv, c.host_memory_kind),
+        **host_pool_blocks(c, xk, xv),
         tier=jnp.broadcast_to(jnp.where(written, tier, TIER_NONE), (L, B, M)).astype(jnp.int32),
         slot=jnp.broadcast_to(slot, (L, B, M)),
         hbm_free=jnp.broadcast_to(~hbm_used, (L, S_h)),
@@ -276,16 +278,10 @@ def _advance(cache: TieredKVCache, active, after_reads) -> TieredKVCache:
 
     lay = jnp.arange(L)[:, None]
     rows = rows_of(lay, host_slot, spill, c.host_blocks).reshape(-1)
-    kind = c.host_memory_kind
     blk = (L * B, *cache.hbm_k.shape[2:])
     spilled_k = cache.hbm_k[lay, old_slot].reshape(blk)
     spilled_v = cache.hbm_v[lay, old_slot].reshape(blk)
-    host_k = write_blocks(
-        cache.host_k, rows, spilled_k, c.fetch, pool_kind=kind, after_reads=after_reads
-    )
-    host_v = write_blocks(
-        cache.host_v, rows, spilled_v, c.fetch, pool_kind=kind, after_reads=after_reads
-    )
+    host = write_host(cache, rows, spilled_k, spilled_v, after_reads)
     tier = cache.tier.at[:, b, old_j].set(jnp.where(spill, TIER_HOST, cache.tier[:, b, old_j]))
     tier = tier.at[:, b, new_j].set(jnp.where(seal[None], TIER_HBM, tier[:, b, new_j]))
     slot = cache.slot.at[:, b, old_j].set(jnp.where(spill, host_slot, cache.slot[:, b, old_j]))
@@ -295,8 +291,7 @@ def _advance(cache: TieredKVCache, active, after_reads) -> TieredKVCache:
     host_free = cache.host_free.at[lay, jnp.where(spill, host_slot, S_x)].set(False, mode="drop")
     return replace(
         cache,
-        host_k=host_k,
-        host_v=host_v,
+        **host,
         tier=tier,
         slot=slot,
         hbm_free=hbm_free,
@@ -364,8 +359,10 @@ def to_dense(cache: TieredKVCache) -> tuple[jax.Array, jax.Array]:
       positions >= lengths.
     """
     c = cache.config
-    host_k = to_kind(cache.host_k, HBM_KIND)
-    host_v = to_kind(cache.host_v, HBM_KIND)
+    L, S = c.num_layers, c.host_blocks
+    host_k, host_v = read_host(cache, jnp.arange(L * S, dtype=jnp.int32))
+    host_k = host_k.reshape(L, S, *host_k.shape[1:])
+    host_v = host_v.reshape(L, S, *host_v.shape[1:])
 
     def layer_blocks(hk, hv, xk, xv, tier, slot):
         sk = jnp.where((tier == TIER_HOST)[..., None, None, None], xk[slot], hk[slot])

@@ -18,7 +18,15 @@ import jax.numpy as jnp
 
 from jaxkv._pytree import pytree_dataclass, static_field
 from jaxkv.config import HBM_KIND, TIER_HBM, TIER_NONE, CacheConfig
-from jaxkv.transfer import kind_sharding, target_platform, to_kind, traced
+from jaxkv.quant import dequantize, pool_blocks
+from jaxkv.transfer import (
+    kind_sharding,
+    read_blocks,
+    target_platform,
+    to_kind,
+    traced,
+    write_blocks,
+)
 
 
 @pytree_dataclass
@@ -27,6 +35,10 @@ class TieredKVCache:
     hbm_v: jax.Array  # [layers, hbm_slots, block, kv_heads, head_dim]  memory kind "device"
     host_k: jax.Array  # [layers, host_slots, block, kv_heads, head_dim]  config.host_memory_kind
     host_v: jax.Array  # [layers, host_slots, block, kv_heads, head_dim]  config.host_memory_kind
+    # FP8 scales of the host blocks (`jaxkv.quant`), "device": [layers, host_slots, kv_heads] f32
+    # under fp8="host", [layers, 0, kv_heads] without FP8
+    host_ks: jax.Array
+    host_vs: jax.Array
     tier: jax.Array  # [layers, batch, max_blocks] int32: TIER_HBM / TIER_HOST / TIER_NONE
     slot: jax.Array  # [layers, batch, max_blocks] int32: slot in that tier's pool (0 if none)
     hbm_free: jax.Array  # [layers, hbm_slots] bool
@@ -46,7 +58,8 @@ class TieredKVCache:
         L, B, M = c.num_layers, c.batch, c.max_blocks
         blk = (c.block_size, c.kv_heads, c.head_dim)
         hbm = jnp.zeros((L, c.hbm_blocks, *blk), c.jnp_dtype)
-        host = jnp.zeros((L, c.host_blocks, *blk), c.jnp_dtype)
+        host = jnp.zeros((L, c.host_blocks, *blk), c.host_dtype)
+        scales = jnp.ones((L, c.host_blocks if c.fp8 == "host" else 0, c.kv_heads), jnp.float32)
         tier = jnp.full((L, B, M), TIER_NONE, jnp.int32).at[:, :, 0].set(TIER_HBM)
         slot = jnp.zeros((L, B, M), jnp.int32).at[:, :, 0].set(jnp.arange(B, dtype=jnp.int32))
         hbm_free = jnp.ones((L, c.hbm_blocks), bool).at[:, :B].set(False)
@@ -56,6 +69,8 @@ class TieredKVCache:
             hbm_v=to_kind(hbm, HBM_KIND),
             host_k=to_kind(host, c.host_memory_kind),
             host_v=to_kind(jnp.zeros_like(host), c.host_memory_kind),
+            host_ks=scales,
+            host_vs=scales,
             tier=tier,
             slot=slot,
             hbm_free=hbm_free,
@@ -80,6 +95,66 @@ class TieredKVCache:
     def in_hbm(self) -> jax.Array:
         """[layers, batch, max_blocks] bool: sealed blocks resident in HBM."""
         return self.sealed & (self.tier == TIER_HBM)
+
+
+def read_host(cache: TieredKVCache, rows) -> tuple[jax.Array, jax.Array]:
+    """Host blocks on the device, in the cache dtype: one bulk read per pool
+    (`jaxkv.transfer.read_blocks`) of the flat rows `rows` [n] (`rows_of`, -1: unused, zeros),
+    dequantized there under fp8="host" (the FP8 values cross the link, the scales are already
+    on the device). Returns (k, v), each [n, block_size, kv_heads, head_dim]."""
+    c = cache.config
+    kind = c.host_memory_kind
+    xk = read_blocks(cache.host_k, rows, c.fetch, pool_kind=kind)
+    xv = read_blocks(cache.host_v, rows, c.fetch, pool_kind=kind)
+    if c.fp8 == "off":
+        return xk, xv
+    at = jnp.maximum(rows, 0)
+    sk = cache.host_ks.reshape(-1, c.kv_heads)[at]
+    sv = cache.host_vs.reshape(-1, c.kv_heads)[at]
+    return dequantize(xk, sk, c.jnp_dtype), dequantize(xv, sv, c.jnp_dtype)
+
+
+def write_host(cache: TieredKVCache, rows, k, v, after_reads=None) -> dict:
+    """The host pools (and FP8 scales) with device blocks `k`, `v` [n, block_size, kv_heads,
+    head_dim] written at flat rows `rows` [n] (distinct, -1: not written): one bulk write per
+    pool (`jaxkv.transfer.write_blocks`, after `after_reads`), quantized on the device first
+    under fp8="host". Returns the changed fields, for `replace(cache, **fields)`."""
+    c = cache.config
+    kind = c.host_memory_kind
+    qk, sk = pool_blocks(c, k)
+    qv, sv = pool_blocks(c, v)
+    out = dict(
+        host_k=write_blocks(
+            cache.host_k, rows, qk, c.fetch, pool_kind=kind, after_reads=after_reads
+        ),
+        host_v=write_blocks(
+            cache.host_v, rows, qv, c.fetch, pool_kind=kind, after_reads=after_reads
+        ),
+    )
+    if c.fp8 != "off":
+        shape = cache.host_ks.shape
+        at = jnp.where(rows >= 0, rows, shape[0] * shape[1])  # -> dropped
+        flat = (-1, c.kv_heads)
+        out["host_ks"] = cache.host_ks.reshape(flat).at[at].set(sk, mode="drop").reshape(shape)
+        out["host_vs"] = cache.host_vs.reshape(flat).at[at].set(sv, mode="drop").reshape(shape)
+    return out
+
+
+def host_pool_blocks(config: CacheConfig, pool_k, pool_v) -> dict:
+    """Host-pool fields of a cache from whole pools [layers, slots, ...] in the cache dtype (on
+    the device; prefill): quantized under fp8="host", then placed in the host memory kind."""
+    c = config
+    L, S = pool_k.shape[:2]
+    qk, sk = pool_blocks(c, pool_k.reshape(L * S, *pool_k.shape[2:]))
+    qv, sv = pool_blocks(c, pool_v.reshape(L * S, *pool_v.shape[2:]))
+    out = dict(
+        host_k=to_kind(qk.reshape(pool_k.shape), c.host_memory_kind),
+        host_v=to_kind(qv.reshape(pool_v.shape), c.host_memory_kind),
+    )
+    if c.fp8 != "off":
+        out["host_ks"] = sk.reshape(L, S, c.kv_heads)
+        out["host_vs"] = sv.reshape(L, S, c.kv_heads)
+    return out
 
 
 def cache_shardings(config: CacheConfig) -> TieredKVCache:
@@ -132,13 +207,13 @@ def check_host_pool(config: CacheConfig, platform: str | None = None) -> None:
     platform = target_platform() if platform is None else platform
     if platform not in ("gpu", "cuda", "rocm") or config.host_memory_kind != "pinned_host":
         return
-    need = 2 * config.num_layers * config.host_blocks * config.block_bytes // 2
+    need = config.num_layers * config.host_blocks * config.host_block_bytes
     limit = gpu_host_limit_bytes()
     if need > limit:
         raise ValueError(
             f"the cache's host pools need {need / 2**30:.1f} GiB of pinned host memory "
             f"({config.num_layers} layers x {config.host_blocks} slots x "
-            f"{config.block_bytes} bytes per K+V block), over the GPU runtime's pinned-host "
+            f"{config.host_block_bytes} bytes per K+V block), over the GPU runtime's pinned-host "
             f"limit of {limit / 2**30:.1f} GiB: raise {GPU_HOST_LIMIT_VAR} (e.g. "
             f"{GPU_HOST_LIMIT_VAR}={int(need / 2**30) + 8}, set before jax starts) or lower "
             "max_len, batch or host_capacity"

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.quant import FP8, FP8_MODES, fp8_block_bytes
+
 TIER_HBM = 0  # memory kind "device"
 TIER_HOST = 1  # memory kind "pinned_host"
 TIER_NONE = -1  # logical block not written (or living in the tail buffer)
@@ -92,6 +94,11 @@ class CacheConfig:
       fetch: how blocks cross between the tiers (host reads, promotions, demotions, spills):
         "auto", "xla" or "pallas" (`jaxkv.transfer`); every one moves a layer's blocks in one
         operation per pool, never block by block.
+      fp8: "off" (every block in `dtype`), or "host": every block on the host tier is stored as
+        float8_e4m3fn with a dynamic fp32 scale per block and KV head (`jaxkv.quant`), so it
+        crosses the link at one byte an element; HBM blocks, the tail included, stay in
+        `dtype`. Quantized when a block enters the host tier, dequantized on the device when it
+        is read or promoted. Exact attention is bit-identical to all-HBM only with "off".
     """
 
     num_layers: int
@@ -105,8 +112,11 @@ class CacheConfig:
     dtype: str = "float32"
     host_memory_kind: str = HOST_KIND
     fetch: str = "auto"
+    fp8: str = "off"
 
     def __post_init__(self):
+        if self.fp8 not in FP8_MODES:
+            raise ValueError(f"fp8 must be one of {FP8_MODES}, got {self.fp8!r}")
         if self.fetch not in FETCH_OPTIONS:
             raise ValueError(f"fetch must be one of {FETCH_OPTIONS}, got {self.fetch!r}")
         if self.host_memory_kind not in HOST_KINDS:
@@ -199,6 +209,20 @@ class CacheConfig:
         """Bytes of one block of one layer: K and V for all KV heads."""
         itemsize = jnp.dtype(self.jnp_dtype).itemsize
         return 2 * self.block_size * self.kv_heads * self.head_dim * itemsize
+
+    @property
+    def host_dtype(self):
+        """The host pools' storage dtype: float8_e4m3fn under fp8="host", else `dtype`."""
+        return FP8 if self.fp8 == "host" else self.jnp_dtype
+
+    @property
+    def host_block_bytes(self) -> int:
+        """Bytes of one host-tier block of one layer (K and V, all KV heads): what a host read,
+        spill, promotion or demotion moves over the link. Under fp8="host": one byte an element
+        plus the fp32 scale of each (pool, KV head)."""
+        if self.fp8 == "off":
+            return self.block_bytes
+        return fp8_block_bytes(self.block_size, self.kv_heads, self.head_dim)
 
 
 @dataclasses.dataclass(frozen=True)

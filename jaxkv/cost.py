@@ -243,6 +243,9 @@ class CostModel:
     alone (the simulator's option; the decode loop re-reads the host pool: False).
     prompt_len, block_size: tokens of the prompt and per block (the learned forecaster's
     features).
+    host_block_bytes: one host-tier block's bytes, what crosses the link when it is read,
+    promoted or demoted (smaller than block_bytes when the host tier holds FP8,
+    `CacheConfig(fp8="host")`); None: block_bytes.
     """
 
     profile: HardwareProfile = PROFILES["gh200"]
@@ -252,15 +255,45 @@ class CostModel:
     keep_fetched: bool = False
     prompt_len: int = 0
     block_size: int = 16
+    host_block_bytes: float | None = None
 
     def __post_init__(self):
         check_number("CostModel block_bytes", self.block_bytes, low=0.0, low_open=True)
+        if self.host_block_bytes is not None:
+            check_number(
+                "CostModel host_block_bytes", self.host_block_bytes, low=0.0, low_open=True
+            )
         check_number("CostModel fixed_bytes", self.fixed_bytes, low=0.0)
         check_number("CostModel demote_cost", self.demote_cost, low=0.0)
         check_number("CostModel prompt_len", self.prompt_len, integer=True, low=0)
         check_number("CostModel block_size", self.block_size, integer=True, low=1)
 
     @property
+    def link_block_bytes(self) -> float:
+        """Bytes one block moves over the link (`host_block_bytes`, else `block_bytes`)."""
+        return self.block_bytes if self.host_block_bytes is None else self.host_block_bytes
+
+    @property
+    def priced_profile(self) -> HardwareProfile:
+        """The profile plans are priced with, in units of `block_bytes`: the link bandwidth
+        scaled by block_bytes / link_block_bytes. Every link term of the model is a count of
+        blocks times their link bytes over B_link, so pricing a block at `block_bytes` over
+        this bandwidth is exact (`link_profile`)."""
+        return link_profile(self.profile, self.block_bytes, self.link_block_bytes)
+
+    @property
     def link_seconds(self) -> float:
         """Seconds for one block to cross the link."""
-        return self.block_bytes / self.profile.link_bandwidth
+        return self.link_block_bytes / self.profile.link_bandwidth
+
+
+def link_profile(profile: HardwareProfile, block_bytes: float, link_block_bytes) -> HardwareProfile:
+    """`profile` with its link bandwidth in units of `block_bytes`: B_link x block_bytes /
+    link_block_bytes. A host-tier block that moves `link_block_bytes` over the link (FP8: about
+    half a bf16 block) then costs its true time when counted at `block_bytes`; the bounds of this
+    module stay valid with it (the Unlimited split just sees a faster link). `profile` itself
+    when the two are equal or `link_block_bytes` is None."""
+    if link_block_bytes is None or float(link_block_bytes) == float(block_bytes):
+        return profile
+    bw = profile.link_bandwidth * float(block_bytes) / float(link_block_bytes)
+    return dataclasses.replace(profile, name=f"{profile.name}+fp8-link", link_bandwidth=bw)

@@ -199,6 +199,11 @@ class Decoder:
             _step=jax.jit(self._either_step, donate_argnums=(1,), **out),
             _generate=jax.jit(self._generate_impl, donate_argnums=(1,), **out),
             _plan=jax.jit(self._plan_impl),
+            _score=jax.jit(
+                self._score_impl,
+                donate_argnums=(1,),
+                **({"out_shardings": (out["out_shardings"], None)} if out else {}),
+            ),
         )
 
     def __setattr__(self, name, value):
@@ -266,6 +271,23 @@ class Decoder:
         cache. `until` is a traced value: calling in chunks does not recompile."""
         until = self.max_new_tokens - 1 if until is None else min(until, self.max_new_tokens - 1)
         return self._generate(params, state, jnp.int32(until))
+
+    def score(self, params, state: DecodeState, tokens) -> tuple[DecodeState, jax.Array]:
+        """Teacher forcing: decodes with `tokens` [batch, n] fed one a step in place of the
+        sampled ones (the state is donated), exactly as `step` does otherwise (plans,
+        migrations, metrics). Returns (state, logits [n, batch, vocab] f32), the logits after
+        each fed token: with prompts x[:P] prefilled and tokens x[P:P+n], logits[i] predicts
+        x[P+i+1] (bench/fp8_quality.py compares them across cache settings)."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        B, n = self.cache_config.batch, int(state.sampling.step)
+        if tokens.ndim != 2 or tokens.shape[0] != B:
+            raise ValueError(f"score: tokens has shape {tokens.shape}, expected ({B}, steps)")
+        if n + tokens.shape[1] > self.max_new_tokens - 1:
+            raise ValueError(
+                f"score: {tokens.shape[1]} steps after step {n} exceed max_new_tokens="
+                f"{self.max_new_tokens} (one token is the prefill's): build a larger Decoder"
+            )
+        return self._score(params, state, tokens)
 
     def with_window(self, state: DecodeState, window: int) -> DecodeState:
         """Returns the state with a new window W (no recompilation)."""
@@ -361,7 +383,7 @@ class Decoder:
             state,
         )
 
-    def _step_impl(self, params, state: DecodeState, *, plan: bool) -> DecodeState:
+    def _step_impl(self, params, state: DecodeState, *, plan: bool, with_logits: bool = False):
         """One decode step; with `plan` (a python bool) it also ends the window: the policy
         plans, between steps and for all layers, and (unless it `follows`) migrates.
 
@@ -384,7 +406,20 @@ class Decoder:
             state, moved = self._window(state)
         lat = self._step_latency(hbm_b, host_b, moved, promoted, demoted)
         m = state.metrics
-        return replace(state, metrics=replace(m, latency=m.latency.at[step].set(lat)))
+        state = replace(state, metrics=replace(m, latency=m.latency.at[step].set(lat)))
+        return (state, logits.astype(jnp.float32)) if with_logits else state
+
+    def _score_impl(self, params, state: DecodeState, tokens):
+        def body(s: DecodeState, tok):
+            s = replace(s, sampling=replace(s.sampling, last=tok))
+            return jax.lax.cond(
+                s.placement.since_plan + 1 >= s.placement.window,
+                lambda x: self._step_impl(params, x, plan=True, with_logits=True),
+                lambda x: self._step_impl(params, x, plan=False, with_logits=True),
+                s,
+            )
+
+        return jax.lax.scan(body, state, tokens.T)
 
     def _run_layers(self, params, state: DecodeState, active):
         """The model's layers for one token per sequence: each writes the token, reads its
@@ -458,7 +493,7 @@ class Decoder:
         # is read or written in HBM once; a follow promotion rides on this step's host read, so
         # it costs the HBM write alone
         mig_h = (moved + promoted + demoted).astype(jnp.float32) * bb  # [L]
-        mig_l = (moved + demoted).astype(jnp.float32) * bb
+        mig_l = (moved + demoted).astype(jnp.float32) * float(c.host_block_bytes)
         return layer_step_time(
             hbm_b,
             host_b,

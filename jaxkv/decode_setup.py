@@ -52,6 +52,7 @@ def plan_env(
     return CostModel(
         profile=profile,
         block_bytes=float(cache_config.block_bytes),
+        host_block_bytes=float(cache_config.host_block_bytes),
         fixed_bytes=weight_bytes_per_layer,
         demote_cost=1.0,
         block_size=cache_config.block_size,

@@ -150,9 +150,8 @@ def record_step(
         step,
         state.cache.sealed.reshape(L, N),
     )
-    bb = float(c.block_bytes)
-    hbm_b = read_hbm.sum(axis=(1, 2)) * bb  # [L]
-    host_b = read_host.sum(axis=(1, 2)) * bb
+    hbm_b = read_hbm.sum(axis=(1, 2)) * float(c.block_bytes)  # [L]
+    host_b = read_host.sum(axis=(1, 2)) * float(c.host_block_bytes)  # FP8 host blocks: less
     n_hbm, n_all = read_hbm.sum().astype(jnp.float32), read.sum().astype(jnp.float32)
     m = state.metrics
     metrics = replace(

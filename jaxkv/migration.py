@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv._pytree import pytree_dataclass, replace
-from jaxkv.cache_layout import TieredKVCache, run_in_kinds
+from jaxkv.cache_layout import TieredKVCache, read_host, run_in_kinds, write_host
 from jaxkv.config import TIER_HBM, TIER_HOST
 from jaxkv.slot_ops import compacted, first_free, nth, take
-from jaxkv.transfer import read_blocks, rows_of, write_blocks
+from jaxkv.transfer import rows_of
 
 
 @pytree_dataclass
@@ -234,11 +234,8 @@ def _promoted_blocks(cache: TieredKVCache, moves: Moves, ls, t: _Transfers, fetc
     c = cache.config
     blk = cache.hbm_k.shape[2:]
     if fetched is None:
-        kind = c.host_memory_kind
         p_rows = rows_of(ls[:, None], t.p_src, t.p_ok, c.host_blocks).reshape(-1)
-        pk = read_blocks(cache.host_k, p_rows, c.fetch, pool_kind=kind)
-        pv = read_blocks(cache.host_v, p_rows, c.fetch, pool_kind=kind)
-        return pk, pv
+        return read_host(cache, p_rows)
     fk, fv = fetched
     want = (c.num_layers, moves.promote.shape[1], *blk)
     if tuple(fk.shape) != want or tuple(fv.shape) != want:
@@ -254,9 +251,8 @@ def _promoted_blocks(cache: TieredKVCache, moves: Moves, ls, t: _Transfers, fetc
 
 def _write_pools(cache: TieredKVCache, ls, t: _Transfers, pk, pv, after_reads):
     """The blocks leaving HBM written to host (after every read: the promotions' `pk`, `pv` and
-    the caller's `after_reads`), the promoted ones to HBM: (hbm_k, hbm_v, host_k, host_v)."""
+    the caller's `after_reads`), the promoted ones to HBM: (hbm_k, hbm_v, host fields)."""
     c = cache.config
-    kind = c.host_memory_kind
     lay = ls[:, None]
     nl, Kp = t.p_blk.shape
     blk = cache.hbm_k.shape[2:]
@@ -264,12 +260,11 @@ def _write_pools(cache: TieredKVCache, ls, t: _Transfers, pk, pv, after_reads):
     ok_v = cache.hbm_v[lay, t.out_src].reshape(-1, *blk)
     reads = (pk, pv, after_reads)
     o_rows = rows_of(lay, t.out_dst, t.out_ok, c.host_blocks).reshape(-1)
-    host_k = write_blocks(cache.host_k, o_rows, ok_k, c.fetch, pool_kind=kind, after_reads=reads)
-    host_v = write_blocks(cache.host_v, o_rows, ok_v, c.fetch, pool_kind=kind, after_reads=reads)
+    host = write_host(cache, o_rows, ok_k, ok_v, after_reads=reads)
     p_at = jnp.where(t.p_ok, t.p_dst, c.hbm_blocks)
     hbm_k = cache.hbm_k.at[lay, p_at].set(pk.reshape(nl, Kp, *blk), mode="drop")
     hbm_v = cache.hbm_v.at[lay, p_at].set(pv.reshape(nl, Kp, *blk), mode="drop")
-    return hbm_k, hbm_v, host_k, host_v
+    return hbm_k, hbm_v, host
 
 
 def _with_tables(cache: TieredKVCache, ls, t: _Transfers, pools, tables):
@@ -296,13 +291,12 @@ def _with_tables(cache: TieredKVCache, ls, t: _Transfers, pools, tables):
     hbm_free = hbm_free.at[rr, p_at].set(False, mode="drop")
     host_free = host_free.at[rr, jnp.where(t.p_ok, t.p_src, S_x)].set(True, mode="drop")
     host_free = host_free.at[rr, jnp.where(t.out_ok, t.out_dst, S_x)].set(False, mode="drop")
-    hbm_k, hbm_v, host_k, host_v = pools
+    hbm_k, hbm_v, host = pools
     cache = replace(
         cache,
         hbm_k=hbm_k,
         hbm_v=hbm_v,
-        host_k=host_k,
-        host_v=host_v,
+        **host,
         tier=cache.tier.at[ls].set(tier.reshape(nl, B, M)),
         slot=cache.slot.at[ls].set(slot.reshape(nl, B, M)),
         hbm_free=cache.hbm_free.at[ls].set(hbm_free),

@@ -389,7 +389,7 @@ class Anneal(PolicyBase):
         a = fc.reads
         a0 = jnp.clip(a[0], 0.0, 1.0)
         fixed = None if fc.unplaced is None else fc.unplaced * active[None]
-        p = Pricing(profile=env.profile, fixed_link=fixed)
+        p = Pricing(profile=env.priced_profile, fixed_link=fixed)
         ctx = PlanContext(obs, env, self.forecast, a, active, self.next_window(state))
         for term in self.terms:
             p = term(p, ctx)

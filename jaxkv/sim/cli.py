@@ -160,6 +160,13 @@ def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> 
         help="promoting a block read from host at the last step needs no second link read",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fp8",
+        choices=("off", "host"),
+        default="off",
+        help="host: host-tier blocks are FP8 with per-block scales (jaxkv.quant), so they cross "
+        "the link at about half the bytes",
+    )
 
 
 def _option(name: str) -> str:
@@ -198,6 +205,7 @@ def simulation_kwargs(args) -> dict:
         capacity_blocks=args.capacity_blocks,
         chunk=args.chunk,
         demote_cost=args.demote_cost,
+        fp8=args.fp8,
         keep_fetched=args.keep_fetched,
         window=args.window,
         interval=args.interval,

@@ -202,7 +202,7 @@ class Overflow:
         resident = obs.valid & obs.in_hbm & full
         now = obs.valid & (fut[0] > 0)
         over = jnp.sum(now, axis=-1, keepdims=True) > obs.capacity  # [layers, 1]
-        b, prof = env.block_bytes, env.profile
+        b, prof = env.block_bytes, env.priced_profile
         link0 = b * jnp.sum(now & ~obs.in_hbm, -1) / prof.link_bandwidth
         hbm0 = (env.fixed_bytes + b * jnp.sum(now & obs.in_hbm, -1)) / prof.hbm_bandwidth
         over = over | ((link0 > self.link_ratio * hbm0)[:, None] & full)

@@ -43,10 +43,22 @@ class Setup:
     profile: HardwareProfile
     demote_cost: float = 0.0
     keep_fetched: bool = False
+    host_block_bytes: float | None = None  # a host-tier block's link bytes (FP8); None: as HBM
 
     @property
     def block_bytes(self) -> float:
         return float(self.token_bytes * self.block_size)
+
+    @property
+    def link_block_bytes(self) -> float:
+        return self.block_bytes if self.host_block_bytes is None else self.host_block_bytes
+
+    @property
+    def link_profile(self) -> HardwareProfile:
+        """The profile every time is computed with: blocks are counted at `block_bytes`, and
+        the link's bandwidth is scaled so that a host block costs its real bytes
+        (`jaxkv.cost.link_profile`)."""
+        return cost.link_profile(self.profile, self.block_bytes, self.host_block_bytes)
 
     @property
     def fixed_bytes(self) -> float:
@@ -64,6 +76,7 @@ class Setup:
             keep_fetched=self.keep_fetched,
             prompt_len=self.prompt_len,
             block_size=self.block_size,
+            host_block_bytes=self.host_block_bytes,
         )
 
 
@@ -283,7 +296,7 @@ def _latency(s: Setup, t, r, in_hbm, now, mig_h, mig_l):
     lat = cost.layer_step_time(
         b * n_hbm + tail,
         b * (n_all - n_hbm),
-        profile=s.profile,
+        profile=s.link_profile,
         weight_bytes=s.weight_bytes,
         hbm_write_bytes=float(s.token_bytes),
         hbm_migration_bytes=mig_h,
@@ -300,7 +313,9 @@ def chunk_bounds(setup: Setup, reads, t0):
     t = t0 + jnp.arange(reads.shape[0])
     tail = s.token_bytes * ((s.prompt_len + t) % s.block_size + 1)  # [n]
     rb = s.block_bytes * jnp.sum(reads, -1).astype(jnp.float32) + tail[:, None]  # [n, L]
-    kw = dict(profile=s.profile, weight_bytes=s.weight_bytes, hbm_write_bytes=float(s.token_bytes))
+    kw = dict(
+        profile=s.link_profile, weight_bytes=s.weight_bytes, hbm_write_bytes=float(s.token_bytes)
+    )
     unl = cost.unlimited_step_time(rb, **kw)
     cap = cost.capacity_bound_step_time(rb, s.capacity * s.block_bytes + tail[:, None], **kw)
     return jnp.sum(unl, 0), jnp.sum(cap, 0)

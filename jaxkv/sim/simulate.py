@@ -78,6 +78,7 @@ from jaxkv import cost, presets
 from jaxkv.config import AnnealConfig, HardwareProfile
 from jaxkv.presets import NOW_SPREAD, NOW_WINDOW
 from jaxkv.pricing import Ride
+from jaxkv.quant import FP8_MODES, fp8_block_bytes
 from jaxkv.sim import bounds as bnd
 from jaxkv.sim.checks import (
     ARG_BOUNDS,
@@ -208,6 +209,7 @@ def simulate(
     time_plans: bool = True,
     cache_bound_max_bytes: float = 1e9,
     policy_kwargs: dict[str, dict] | None = None,
+    fp8: str = "off",
 ) -> dict:
     """Runs every policy over the trace and returns the table.
 
@@ -293,8 +295,10 @@ def simulate(
         seed=seed,
     )
     _check_arguments(numbers, policies, policy_kwargs, follow_admit)
+    if fp8 not in FP8_MODES:
+        raise ValueError(f"fp8={fp8!r}: expected one of {FP8_MODES}")
     geometry, setup = _setup(
-        trace, profile, geometry, hbm_budget, capacity_blocks, demote_cost, keep_fetched
+        trace, profile, geometry, hbm_budget, capacity_blocks, demote_cost, keep_fetched, fp8
     )
     settings = presets.Settings(
         **{k: numbers[k] for k in _SETTINGS}, follow_admit=follow_admit, config=anneal_config
@@ -329,7 +333,7 @@ def simulate(
     timings = plan_timing(pols, rep.states, setup, rep.reads, n_steps, plans, time_plans)
     rows = _rows(pols, rep, setup, timings, dual_wall, n_steps)
     meta = _setup_row(trace, setup, n_steps, sparsity, geometry, demote_cost, keep_fetched)
-    return _table(rows, policies, bounds, n_steps, profile, meta)
+    return _table(rows, policies, bounds, n_steps, setup.link_profile, meta)
 
 
 def _check_arguments(numbers: dict, policies, policy_kwargs, follow_admit) -> None:
@@ -344,12 +348,18 @@ def _check_arguments(numbers: dict, policies, policy_kwargs, follow_admit) -> No
     check_follow_admit(follow_admit)
 
 
-def _setup(trace, profile, geometry, hbm_budget, capacity_blocks, demote_cost, keep_fetched):
+def _setup(
+    trace, profile, geometry, hbm_budget, capacity_blocks, demote_cost, keep_fetched, fp8="off"
+):
     """(geometry, Setup): the HBM pool per layer from the budget (`cost.pool_capacity`, the
-    geometry it sizes), at most the trace's blocks."""
+    geometry it sizes), at most the trace's blocks; under fp8="host" host blocks move at
+    `jaxkv.quant.fp8_block_bytes`."""
     geometry, capacity_blocks = cost.pool_capacity(
         geometry, hbm_budget, trace.num_layers, trace.block_size, capacity_blocks
     )
+    host_bytes = None
+    if fp8 == "host":
+        host_bytes = float(fp8_block_bytes(trace.block_size, geometry.kv_heads, geometry.head_dim))
     setup = Setup(
         trace.prompt_len,
         trace.block_size,
@@ -361,6 +371,7 @@ def _setup(trace, profile, geometry, hbm_budget, capacity_blocks, demote_cost, k
         profile,
         float(demote_cost),
         bool(keep_fetched),
+        host_bytes,
     )
     return geometry, setup
 
@@ -393,7 +404,7 @@ def _dual_pass(trace, sparsity, setup: Setup, geometry, n_steps, rules: dict, pr
         trace,
         sparsity,
         geometry=geometry,
-        profile=setup.profile,
+        profile=setup.link_profile,
         capacity_blocks=setup.capacity,
         steps=n_steps,
         **rules,
@@ -419,7 +430,7 @@ def _cache_bound(setup: Setup, packed, note, n_steps: int, rep: Replay) -> dict:
             bnd.new_blocks(s.prompt_len, s.block_size, n_steps, s.num_blocks),
             s.capacity,
         )
-        bl = (s.block_bytes, s.profile.link_bandwidth)
+        bl = (s.block_bytes, s.link_profile.link_bandwidth)
         bounds["cache_s"] = float(bnd.cache_bound_seconds(f, unl_l, *bl).sum())
         bounds["best_s"] = float(bnd.cache_bound_seconds(f, np.maximum(cap_l, unl_l), *bl).sum())
         bounds["cache_crossings"] = [int(x) for x in f]
@@ -494,6 +505,8 @@ def _setup_row(trace, setup: Setup, n_steps, sparsity, geometry, demote_cost, ke
         "capacity_blocks": setup.capacity,
         "sparsity": sparsity,
         "profile": setup.profile.name,
+        "host_block_bytes": setup.link_block_bytes,
+        "block_bytes": setup.block_bytes,
         "geometry": geometry.name,
         "demote_cost": demote_cost,
         "keep_fetched": keep_fetched,

@@ -1,0 +1,81 @@
+"""FP8 storage for KV blocks: float8_e4m3fn values with a dynamic fp32 scale per block and KV
+head, the form the cache's host tier takes under `CacheConfig(fp8="host")`.
+
+A block `[block_size, kv_heads, head_dim]` is quantized per KV head: `scale = amax / 448` over
+that head's `block_size x head_dim` elements (448 is e4m3fn's largest finite value), and every
+element is stored as `round_to_e4m3(x / scale)`. The scale is computed when the block enters the
+host tier (spilled at sealing, demoted, or written there by prefill) and stays with the block
+until it leaves; dequantizing is `q * scale`. K and V have their own scales.
+
+Error bound (`error_bound`): e4m3 has 3 mantissa bits, so rounding to nearest moves a normal
+value by at most 2^-4 of itself; below the smallest normal (2^-6, i.e. |x| < 2^-6 * scale) the
+spacing is 2^-9, so a subnormal moves by at most 2^-10 * scale. Values never overflow: |x| /
+scale <= 448 by construction (clipped against fp32 rounding of the division).
+
+Why per (block, KV head): a block is the unit the cache moves and the annealer places, so its
+scale must travel with it; per KV head because heads' key norms differ by an order of magnitude
+in Llama-class models (one outlier head would otherwise flatten every other head's values into
+e4m3's subnormals). The scales are 4 bytes per block, head and pool (K, V): 0.2% of a
+16-token, 128-dim block at one byte an element.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_REL_ERROR = 2.0**-4  # half the spacing of normal values, relative
+FP8_SUB_ERROR = 2.0**-10  # half the spacing of subnormals, relative to the scale
+FP8_MODES = ("off", "host")
+
+
+def fp8_block_bytes(block_size: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes of one FP8 block of one layer, K and V: an element a byte plus an fp32 scale per
+    (pool, KV head)."""
+    return 2 * block_size * kv_heads * head_dim + 2 * kv_heads * 4
+
+
+def block_scales(blocks: jax.Array) -> jax.Array:
+    """[n, kv_heads] f32 scales of blocks [n, block_size, kv_heads, head_dim]: amax / 448 per
+    block and KV head, 1 where a block's head is all zeros (so dequantizing gives zeros)."""
+    amax = jnp.max(jnp.abs(blocks.astype(jnp.float32)), axis=(1, 3))
+    return jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+
+
+def quantize(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(float8_e4m3fn blocks, [n, kv_heads] f32 scales) of blocks [n, block_size, kv_heads,
+    head_dim] in any float dtype."""
+    scale = block_scales(blocks)
+    x = blocks.astype(jnp.float32) / scale[:, None, :, None]
+    return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(FP8), scale
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """Blocks [n, block_size, kv_heads, head_dim] in `dtype` from float8 values and their
+    [n, kv_heads] scales."""
+    return (q.astype(jnp.float32) * scale[:, None, :, None]).astype(dtype)
+
+
+def error_bound(blocks: jax.Array) -> jax.Array:
+    """Elementwise bound on |x - dequantize(quantize(x))| in fp32 (the module docstring), before
+    the dequantized value is rounded to a narrower cache dtype."""
+    scale = block_scales(blocks)[:, None, :, None]
+    x = jnp.abs(blocks.astype(jnp.float32))
+    return jnp.maximum(FP8_REL_ERROR * x, FP8_SUB_ERROR * scale) * (1 + 2.0**-20)
+
+
+def pool_blocks(config, blocks: jax.Array):
+    """What a host pool stores for device blocks [n, ...] in the cache dtype: (values in the
+    host pool's dtype, [n, kv_heads] scales or None without FP8)."""
+    if config.fp8 == "off":
+        return blocks.astype(config.jnp_dtype), None
+    return quantize(blocks)
+
+
+def from_pool(config, values: jax.Array, scale) -> jax.Array:
+    """Blocks in the cache dtype from what a host pool stored (`pool_blocks`)."""
+    if config.fp8 == "off":
+        return values
+    return dequantize(values, scale, config.jnp_dtype)

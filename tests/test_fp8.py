@@ -1,0 +1,304 @@
+"""FP8 host tier (`CacheConfig(fp8="host")`, `jaxkv.quant`): quantization error within the
+format's bound at any scale, attention over FP8 blocks within a derived bound of full precision
+(and identical across placements and mechanisms for the quantized values), real bytes in the
+cost model, the decode loop and the simulator, and nothing changed with FP8 off."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxkv import attention as att
+from jaxkv import cache as kvc
+from jaxkv import quant
+from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
+from jaxkv.cost import CostModel, link_profile
+from jaxkv.decode import Decoder, summarize
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    exponent=st.integers(-40, 40),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+)
+def test_quantize_error_within_format_bound_at_any_scale(exponent, seed, dtype):
+    """|x - dq(q(x))| <= max(2^-4 |x|, 2^-10 scale) for every element, whatever the blocks'
+    magnitude (1e-12 to 1e12) and with heads of very different scales inside one block."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((5, 4, 3, 8)) * 2.0**exponent
+    x[:, :, 1] *= 1e3  # an outlier head: its scale must not flatten the others
+    x[0, :, 2] = 0.0  # an all-zero head
+    x = jnp.asarray(x, dtype)
+    q, scale = quant.quantize(x)
+    assert q.dtype == quant.FP8 and scale.shape == (5, 3) and scale.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(q.astype(jnp.float32))))
+    back = quant.dequantize(q, scale, jnp.float32)
+    err = jnp.abs(back - x.astype(jnp.float32))
+    assert bool(jnp.all(err <= quant.error_bound(x))), float(jnp.max(err / quant.error_bound(x)))
+    assert bool(jnp.all(back[0, :, 2] == 0))
+    # the bound is tight enough to mean something: at most 1/16 of the largest value
+    assert float(jnp.max(err)) <= 2.0**-4 * float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+
+
+def test_requantizing_a_dequantized_block_is_exact():
+    """A block promoted (dequantized to bf16) and demoted again gets the same FP8 values and
+    scale back: migrations do not compound the error."""
+    x = jax.random.normal(jax.random.key(0), (16, 16, 4, 64)).astype(jnp.bfloat16) * 3
+    q, s = quant.quantize(x)
+    q2, s2 = quant.quantize(quant.dequantize(q, s, jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(q2.astype(jnp.float32)), q.astype(jnp.float32))
+    np.testing.assert_allclose(np.asarray(s2), np.asarray(s), rtol=2**-8)
+
+
+def _cfg(**kw):
+    base = dict(
+        num_layers=2,
+        kv_heads=2,
+        head_dim=16,
+        batch=2,
+        max_len=96,
+        block_size=16,
+        hbm_capacity=3,
+        dtype="bfloat16",
+        fp8="host",
+    )
+    return CacheConfig(**{**base, **kw})
+
+
+def test_config_and_bytes():
+    with pytest.raises(ValueError, match="fp8 must be one of"):
+        _cfg(fp8="e4m3")
+    off, on = _cfg(fp8="off"), _cfg()
+    assert on.host_dtype == jnp.float8_e4m3fn and off.host_dtype == jnp.bfloat16
+    assert off.host_block_bytes == off.block_bytes
+    # one byte an element instead of two, plus 4 bytes per (pool, KV head)
+    assert on.host_block_bytes == on.block_bytes // 2 + 2 * on.kv_heads * 4
+    # Llama-3.1-8B geometry: 0.5 + 2 / (block x head_dim) of a bf16 block
+    big = _cfg(kv_heads=8, head_dim=128, num_layers=1)
+    assert big.host_block_bytes / big.block_bytes == pytest.approx(0.5 + 2 / (16 * 128))
+
+
+def test_cost_model_prices_real_link_bytes():
+    prof = HardwareProfile.preset("h200-pcie")
+    bf16 = CostModel(profile=prof, block_bytes=65536.0)
+    fp8 = CostModel(profile=prof, block_bytes=65536.0, host_block_bytes=32832.0)
+    assert fp8.link_seconds / bf16.link_seconds == pytest.approx(32832 / 65536)
+    assert bf16.priced_profile is prof
+    # a block counted at bf16 bytes over the priced link costs its real FP8 bytes
+    p = fp8.priced_profile
+    assert 65536.0 / p.link_bandwidth == pytest.approx(32832.0 / prof.link_bandwidth)
+    assert p.hbm_bandwidth == prof.hbm_bandwidth
+    assert link_profile(prof, 1.0, None) is prof
+
+
+def _prefilled(cfg, lengths=(70, 41), seed=0):
+    T = max(lengths)
+    shape = (cfg.num_layers, cfg.batch, T, cfg.kv_heads, cfg.head_dim)
+    k = jax.random.normal(jax.random.key(seed), shape).astype(cfg.jnp_dtype)
+    v = jax.random.normal(jax.random.key(seed + 1), shape).astype(cfg.jnp_dtype)
+    k = k.at[:, :, :, 1].multiply(8.0)  # heads of different scales
+    cache = kvc.prefill(kvc.TieredKVCache.create(cfg), k, v, jnp.asarray(lengths))
+    return cache, k, v, jnp.asarray(lengths, jnp.int32)
+
+
+@pytest.mark.parametrize("fetch", ["xla", "pallas"])
+@pytest.mark.parametrize("kind", ["pinned_host", "device"])
+def test_host_tier_is_fp8_and_round_trips_within_the_bound(fetch, kind):
+    cfg = _cfg(fetch=fetch, host_memory_kind=kind)
+    cache, k, v, lengths = _prefilled(cfg)
+    assert cache.host_k.dtype == jnp.float8_e4m3fn and cache.host_v.dtype == jnp.float8_e4m3fn
+    assert cache.host_k.sharding.memory_kind == kind
+    assert cache.hbm_k.dtype == jnp.bfloat16
+    assert cache.host_ks.shape == (cfg.num_layers, cfg.host_blocks, cfg.kv_heads)
+    kd, _ = kvc.to_dense(cache)
+    T, Tp = k.shape[2], kd.shape[2]
+    live = (jnp.arange(T)[None, :] < lengths[:, None])[None, :, :, None, None]
+    want = jnp.where(live, k, 0).astype(jnp.float32)
+    want = jnp.pad(want, ((0, 0), (0, 0), (0, Tp - T), (0, 0), (0, 0)))
+    got = kd.astype(jnp.float32)
+    host = np.asarray(cache.tier == 1).repeat(16, axis=2)
+    assert host.any() and not host.all()
+    err = np.abs(np.asarray(got - want))
+    np.testing.assert_array_equal(err[~host], 0)  # HBM blocks untouched
+    blocks = want.reshape(-1, 16, cfg.kv_heads, cfg.head_dim)
+    bound = quant.error_bound(blocks).reshape(want.shape)
+    # + one bf16 rounding of the dequantized value
+    bound = np.asarray(bound + 2.0**-8 * jnp.abs(want))
+    assert (err <= bound).all()
+
+
+def test_migrations_move_fp8_blocks_without_loss_or_duplication():
+    """Demoting everything, promoting it back and demoting it again: every block is where the
+    table says, and the values after the second demotion equal the first's bit for bit."""
+    cfg = _cfg(hbm_capacity=12, host_capacity=1.0)
+    cache, _, _, _ = _prefilled(cfg)
+    none = jnp.zeros((cfg.num_layers, cfg.total_blocks), bool)
+    everything = cache.sealed.reshape(cfg.num_layers, -1)
+    first, n1 = kvc.migrate(cache, kvc.plan_moves(cache, none, 16))
+    kvc.check_invariants(first)
+    assert int(n1.sum()) > 0 and int(first.in_hbm.sum()) == 0
+    back, _ = kvc.migrate(first, kvc.plan_moves(first, everything, 16))
+    kvc.check_invariants(back)
+    assert int(back.in_hbm.sum()) == int(cache.sealed.sum())
+    again, _ = kvc.migrate(back, kvc.plan_moves(back, none, 16))
+    kvc.check_invariants(again)
+    d1, d2 = kvc.to_dense(first), kvc.to_dense(again)
+    for a, b in zip(d1, d2, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def _attention_bound(q, k, v, dk, dv, scale):
+    """Bound on |attn(q, k', v') - attn(q, k, v)| with |k' - k| <= dk, |v' - v| <= dv
+    elementwise: logits move by at most d = scale |q| . dk, so each probability by a factor in
+    [e^-2d, e^2d], and the output by at most max dv + (e^2d - 1) max |v|."""
+    B, H, D = q.shape
+    KV = k.shape[2]
+    qg = jnp.abs(q.astype(jnp.float32)).reshape(B, KV, H // KV, D)
+    d = scale * jnp.einsum("bkgd,btkd->bkgt", qg, dk).max(-1)  # [B, KV, G]
+    vmax = jnp.abs(v.astype(jnp.float32)).max(axis=(1, 3))  # [B, KV]
+    bound = dv.max(axis=(1, 3))[..., None] + jnp.expm1(2 * d) * vmax[..., None]
+    return bound.reshape(B, H)[..., None]
+
+
+TOL = {"xla": 2e-5, "pallas": 2e-2}  # the kernel's bf16 products (test_attention's tolerance)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("mode", ["exact", "sparse"])
+def test_attention_over_fp8_blocks(impl, mode):
+    """(1) Every placement and mechanism gives the attention of the quantized cache
+    (`to_dense`) to fp32 rounding: placement still changes nothing. (2) That is within the
+    derived bound of full-precision attention (stated tolerance: `_attention_bound`, from the
+    FP8 error bound), and in practice far inside it."""
+    placement = PlacementConfig(attention=mode, topk=0.5)
+    cfg = _cfg(hbm_capacity=4, max_len=112, fetch="pallas" if impl == "pallas" else "xla")
+    cache, k, v, lengths = _prefilled(cfg, lengths=(100, 77))
+    q = jax.random.normal(jax.random.key(5), (2, 4, 16)).astype(jnp.bfloat16)
+    layer = 1
+    out, stats = att.tiered_attention(q, cache, layer, lengths, placement, impl=impl)
+    assert int(stats.read_host.sum()) > 0
+    kd, vd = kvc.to_dense(cache)
+    sel = att.select_blocks(q, cache, layer, lengths, placement)
+    tok = jnp.repeat(sel, 16, axis=1)[:, : kd.shape[2]]
+    lens_mask = jnp.where(tok, 0, -1)  # unselected tokens are dropped below
+    kq, vq = kd[layer], vd[layer]
+    scale = 1 / math.sqrt(16)
+
+    def dense(kk, vv):
+        B, H, D = q.shape
+        qg = q.astype(jnp.float32).reshape(B, 2, 2, D)
+        s = jnp.einsum("bkgd,btkd->bkgt", qg, kk.astype(jnp.float32)) * scale
+        t = jnp.arange(kk.shape[1])[None]
+        ok = (t < lengths[:, None]) & (lens_mask == 0)
+        s = jnp.where(ok[:, None, None], s, -jnp.inf)
+        p = jax.nn.softmax(s, -1)
+        return jnp.einsum("bkgt,btkd->bkgd", p, vv.astype(jnp.float32)).reshape(B, H, D)
+
+    tol = TOL[impl]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(dense(kq, vq)), atol=tol, rtol=tol)
+    T = k.shape[2]
+    full = dense(
+        jnp.pad(k[layer], ((0, 0), (0, kq.shape[1] - T), (0, 0), (0, 0))),
+        jnp.pad(v[layer], ((0, 0), (0, kq.shape[1] - T), (0, 0), (0, 0))),
+    )
+    pad = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, kq.shape[1] - T), (0, 0), (0, 0)))
+    dk = jnp.abs(kq.astype(jnp.float32) - pad(k[layer]))
+    dv = jnp.abs(vq.astype(jnp.float32) - pad(v[layer]))
+    err = jnp.abs(out - full)
+    bound = _attention_bound(q, pad(k[layer]), pad(v[layer]), dk, dv, scale)
+    assert bool(jnp.all(err <= bound + tol)), float(jnp.max(err - bound))
+    assert 0 < float(jnp.max(err)) < 0.1
+
+
+def test_decode_with_fp8_host_counts_real_bytes(tiny):
+    """The decode loop runs with an FP8 host tier (jit, donation, spills, migrations), keeps
+    the pools in their kinds and dtypes, and its metrics count a host block at its FP8 bytes:
+    the same reads cost fewer link bytes and less modeled time than with FP8 off."""
+    model, params = tiny
+    mc = model.config
+    prompts = jax.random.randint(jax.random.key(7), (2, 45), 0, 256).astype(jnp.int32)
+    runs = {}
+    for fp8 in ("off", "host"):
+        cfg = CacheConfig.for_model(
+            mc, batch=2, max_len=96, block_size=8, hbm_capacity=0.25, fp8=fp8
+        )
+        dec = Decoder(
+            model,
+            cfg,
+            PlacementConfig(policy="static", window=4),
+            max_new_tokens=16,
+            profile=HardwareProfile.preset("h200-pcie"),
+        )
+        state = dec.generate(params, dec.prefill(params, prompts, (45, 30)))
+        kvc.check_invariants(state.cache)
+        assert state.cache.host_k.dtype == cfg.host_dtype
+        assert state.cache.host_k.sharding.memory_kind == "pinned_host"
+        runs[fp8] = (cfg, summarize(state), state)
+    (c0, s0, st0), (c1, s1, st1) = runs["off"], runs["host"]
+    # static placement: the same blocks are read from each tier in both runs
+    assert s0["hbm_hit_rate"] == s1["hbm_hit_rate"]
+    host0 = float(np.asarray(st0.metrics.host_bytes).sum())
+    host1 = float(np.asarray(st1.metrics.host_bytes).sum())
+    assert host0 > 0
+    assert host1 / host0 == pytest.approx(c1.host_block_bytes / c0.block_bytes)
+    assert s1["modeled_seconds"] < s0["modeled_seconds"]
+
+
+def test_fp8_off_keeps_the_pools_and_program_unchanged():
+    """With FP8 off the host pools keep the cache dtype and the scale arrays are empty, so an
+    fp8-off cache carries no extra bytes (the decode tests check its tokens equal all-HBM)."""
+    cfg = _cfg(fp8="off")
+    cache = kvc.TieredKVCache.create(cfg)
+    assert cache.host_k.dtype == jnp.bfloat16
+    assert cache.host_ks.size == 0 and cache.host_vs.size == 0
+
+
+def test_simulator_prices_fp8_host_blocks():
+    from jaxkv.cost import get_geometry
+    from jaxkv.sim import simulate as sim
+    from jaxkv.sim import trace as tr
+
+    trace = tr.SyntheticTrace("recency-low", prompt_len=8192, steps=48, num_layers=2, block_size=16)
+    kw = dict(
+        profile=HardwareProfile.preset("h200-pcie"),
+        geometry=get_geometry("llama3-8b"),
+        sparsity=0.5,
+        capacity_blocks=4,
+        chunk=16,
+        progress=False,
+        time_plans=False,
+    )
+    names = ["static", "lru", "unlimited"]
+    off = sim.simulate(trace, names, **kw)
+    on = sim.simulate(trace, names, fp8="host", **kw)
+    assert on["setup"]["host_block_bytes"] < 0.51 * on["setup"]["block_bytes"]
+    on_p, off_p = on["policies"], off["policies"]
+    for n in ("static", "lru"):
+        assert on_p[n]["latency_s"] < off_p[n]["latency_s"]
+        assert on_p[n]["latency_s"] >= on_p["unlimited"]["latency_s"]
+        # the same placement: FP8 changes what a host read costs, not which blocks are read
+        assert on_p[n]["hbm_hit_rate"] == off_p[n]["hbm_hit_rate"]
+    assert on_p["unlimited"]["latency_s"] < off_p["unlimited"]["latency_s"]
+
+
+def test_score_teacher_forces_like_greedy_decoding(tiny):
+    """`Decoder.score` fed the tokens greedy decoding chose gives logits whose argmax are the
+    next ones it chose; bad token shapes and too many steps are refused up front."""
+    model, params = tiny
+    cfg = CacheConfig.for_model(model.config, batch=2, max_len=96, block_size=8, hbm_capacity=0.25)
+    dec = Decoder(model, cfg, PlacementConfig(policy="lru", window=3), max_new_tokens=12)
+    prompts = jax.random.randint(jax.random.key(3), (2, 40), 0, 256).astype(jnp.int32)
+    toks = np.asarray(dec.generate(params, dec.prefill(params, prompts)).tokens)
+    state = dec.prefill(params, prompts)
+    with pytest.raises(ValueError, match="expected \\(2, steps\\)"):
+        dec.score(params, state, jnp.zeros((3, 4), jnp.int32))
+    with pytest.raises(ValueError, match="exceed max_new_tokens=12"):
+        dec.score(params, state, jnp.zeros((2, 12), jnp.int32))
+    state, logits = dec.score(params, state, toks[:, :10])
+    assert logits.shape == (10, 2, model.config.vocab_size)
+    np.testing.assert_array_equal(np.asarray(jnp.argmax(logits, -1)).T, toks[:, 1:11])
