@@ -363,6 +363,7 @@ class Decoder:
                 total_reads=jnp.float32(0),
                 windows=jnp.int32(0),
                 window_trace=jnp.zeros((n,), jnp.int32),
+                moved_trace=jnp.zeros((n,), jnp.int32),
             ),
         )
 
@@ -383,9 +384,10 @@ class Decoder:
             state,
         )
 
-    def _step_impl(self, params, state: DecodeState, *, plan: bool, with_logits: bool = False):
-        """One decode step; with `plan` (a python bool) it also ends the window: the policy
-        plans, between steps and for all layers, and (unless it `follows`) migrates.
+    def _step_impl(self, params, state: DecodeState, *, plan, with_logits: bool = False):
+        """One decode step; with `plan` True it also ends the window: the policy plans,
+        between steps and for all layers, and (unless it `follows`) migrates; "cond": it does
+        so when the window is due, decided on the device (`jaxkv.sharded`'s per-device steps).
 
         The steps: the layers (token write, read, attention and, for `follow`, each layer's
         moves), the follow migration, the cache's advance, sampling, the step's statistics
@@ -393,6 +395,7 @@ class Decoder:
         c = self.cache_config
         L = c.num_layers
         active = self._active(state)
+        due = state.placement.since_plan + 1 >= state.placement.window
         logits, cache, reads, fol = self._run_layers(params, state, active)
         promoted = demoted = jnp.zeros((L,), jnp.int32)
         if self.follows:  # the layers' follow moves, all at once, from the blocks they fetched
@@ -402,11 +405,15 @@ class Decoder:
         step = state.sampling.step
         state, hbm_b, host_b = record_step(c, state, cache, sampled, reads, promoted, demoted)
         moved = jnp.zeros((L,), jnp.int32)
-        if plan:
+        if plan == "cond":  # decided per device (jaxkv.sharded), after every collective
+            state, moved = jax.lax.cond(due, self._window, lambda s: (s, moved), state)
+        elif plan:
             state, moved = self._window(state)
         lat = self._step_latency(hbm_b, host_b, moved, promoted, demoted)
         m = state.metrics
-        state = replace(state, metrics=replace(m, latency=m.latency.at[step].set(lat)))
+        n_moved = (moved + promoted + demoted).sum().astype(jnp.int32)
+        m = replace(m, latency=m.latency.at[step].set(lat))
+        state = replace(state, metrics=replace(m, moved_trace=m.moved_trace.at[step].set(n_moved)))
         return (state, logits.astype(jnp.float32)) if with_logits else state
 
     def _score_impl(self, params, state: DecodeState, tokens):

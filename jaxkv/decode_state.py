@@ -40,6 +40,7 @@ class Metrics:
     total_reads: jax.Array  # [] f32: block reads
     windows: jax.Array  # [] int32: plans made
     window_trace: jax.Array  # [max_steps] int32: W in force at each step
+    moved_trace: jax.Array  # [max_steps] int32: blocks migrated at each step (all layers)
 
 
 @pytree_dataclass

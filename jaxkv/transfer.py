@@ -63,7 +63,12 @@ def to_kind(x: jax.Array, kind: str) -> jax.Array:
     `Space.Host`). An "unpinned_host" value traced here is typed "device" (a jit returns it as
     "device" on CPU); it gets its kind only where a jit boundary names it in `out_shardings`
     (`kind_sharding`, `jaxkv.cache.cache_shardings`), as every cache op called outside jit does.
+    Traced, the value is placed by memory space alone (`jax.memory.Space`), naming no device,
+    so the same code runs per device under `shard_map` (`jaxkv.sharded`).
     """
+    if isinstance(x, jax.core.Tracer):  # no device named: also right inside a shard_map
+        space = jax.memory.Space.Host if kind == "pinned_host" else jax.memory.Space.Device
+        return jax.device_put(x, space)
     return jax.device_put(x, kind_sharding(kind))
 
 

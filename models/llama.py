@@ -97,6 +97,10 @@ class LlamaConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] | None = None
     init_std: float = 0.02
+    # tensor parallelism (jaxkv.sharded): this config is one shard's (num_heads, num_kv_heads and
+    # ffn_dim its own), run under shard_map; the row-parallel projections (attention output,
+    # MLP down) are summed over this mesh axis before their bias
+    tp_axis: str | None = None
 
     def __post_init__(self):
         for name in (
@@ -235,9 +239,13 @@ class Linear(nnx.Module):
         self.w = _init(rngs, (d_in, d_out), std, dtype)  # [in, out]
         self.b = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None  # [out]
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
+    def __call__(self, x: jax.Array, sum_over: str | None = None) -> jax.Array:
+        """[..., in] -> [..., out]; `sum_over`: a mesh axis whose shards of `in` are summed
+        (a row-parallel projection under shard_map) before the bias is added once."""
         w = self.w[...]
         y = jnp.einsum("...i,io->...o", x, w, precision=_precision(w.dtype))
+        if sum_over is not None:
+            y = jax.lax.psum(y, sum_over)
         return y if self.b is None else y + self.b[...]
 
 
@@ -269,6 +277,7 @@ class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, c: LlamaConfig, std: float, *, rngs: nnx.Rngs):
+        self.tp_axis = c.tp_axis
         dt = c.jnp_dtype
         self.gate = Linear(c.dim, c.ffn_dim, bias=c.mlp_bias, std=std, dtype=dt, rngs=rngs)
         self.up = Linear(c.dim, c.ffn_dim, bias=c.mlp_bias, std=std, dtype=dt, rngs=rngs)
@@ -282,7 +291,7 @@ class MLP(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., dim] -> [..., dim]
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x), self.tp_axis)
 
 
 class Block(nnx.Module):
@@ -407,7 +416,7 @@ class Llama(nnx.Module):
                 s = jnp.where(mask, s, -jnp.inf)
                 p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
                 o = jnp.einsum("bkgqs,bskd->bqkgd", p, v, precision=prec)
-                h = h + block.attn.o(o.reshape(b, t, c.num_heads * c.head_dim))
+                h = h + block.attn.o(o.reshape(b, t, c.num_heads * c.head_dim), c.tp_axis)
             with jax.named_scope("mlp"):
                 h = h + block.mlp(block.mlp_norm(h))
             return h, ((k, v) if return_kv else None)
@@ -483,7 +492,8 @@ class Llama(nnx.Module):
                         f"attend returned shape {out.shape}: expected {q.shape} "
                         "[batch, num_heads, head_dim]"
                     )
-                h = h + block.attn.o(out.astype(h.dtype).reshape(b, c.num_heads * c.head_dim))
+                o = out.astype(h.dtype).reshape(b, c.num_heads * c.head_dim)
+                h = h + block.attn.o(o, c.tp_axis)
             with jax.named_scope("mlp"):
                 h = h + block.mlp(block.mlp_norm(h))
             return (h, carry), None

@@ -1,0 +1,368 @@
+"""The tiered cache and decode loop on a `jax.sharding.Mesh`: sequences over a "data" axis, KV
+heads (and the model's tensor parallelism) over a "model" axis, every device with its own two
+tiers, its own block table and its own placement plans.
+
+Layout. The decode loop runs per device under `jax.shard_map` (`ShardedDecoder`): each device
+runs `jaxkv.decode.Decoder`'s step on its shard, a local `Decoder` built for batch / data
+sequences and kv_heads / model KV heads (and the matching query heads, with ffn_dim / model of
+the MLP). The model is tensor-parallel over the same "model" axis, Megatron style: Q/K/V, gate
+and up projections split by output (heads stay whole), the attention output and MLP down
+projections split by input and summed over the axis (`models.llama.LlamaConfig.tp_axis`, a
+`psum` before the bias); embeddings, norms and the LM head are replicated (`param_specs`). So
+the cache needs no collective at all: a device's heads attend only its own KV heads. Exact
+attention gives the one-device tokens; sparse attention ranks blocks by the Quest bound summed
+over a device's own query heads, so each KV-head shard selects its own blocks (a finer
+selection than one device's, whose tokens it need not reproduce).
+
+State. Every leaf of the local `DecodeState` gets two leading axes [data, model] and the
+sharding `P("data", "model")`, so each device's shard is its own cache, statistics, policy
+state and metrics (`local_state` reads one back). The host pools are `NamedSharding`s with the
+configured memory kind ("pinned_host" on a GPU, also on CPU) and stay so across steps; inside
+the shard_map the cache's transfers place values by memory space (`jaxkv.transfer.to_kind`).
+
+Plans. Each device plans its own shard from the attention mass its own heads saw (one plan per
+device; one plan over the mesh would need the statistics all-gathered before every plan, and
+the devices of one "model" group read different heads, so their hot blocks differ). Windows
+are staggered: device d (row-major over data, model) starts its first window `d x stagger`
+steps (mod W) late, so with `stagger > 0` the devices' migrations do not hit shared links in
+the same step (the seed's phase offsets). Whether a window ends is decided on each device
+(`lax.cond` inside the shard_map, after the step's last collective: every device runs the same
+collectives whichever branch it takes). On a GPU that conditional copies its predicate to the
+host unless XLA captures it in a command buffer; the single-device `Decoder` compiles its
+window step apart for that reason.
+
+Hosts. The same code runs under `jax.distributed.initialize` with a mesh over every process's
+devices (tests/test_sharded.py starts two processes on localhost); inputs are built from each
+process's copy of the prompts and parameters (`global_array`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxkv._pytree import replace
+from jaxkv.config import HBM_KIND, CacheConfig, PlacementConfig
+from jaxkv.decode import Decoder
+
+DATA, MODEL = "data", "model"
+STATE_SPEC = P(DATA, MODEL)
+
+# the model's tensor parallelism: (module, parameter) -> the axis of a stacked [layers, ...]
+# parameter split over MODEL; every other parameter is replicated
+_SPLIT = {
+    ("q", "w"): 2, ("k", "w"): 2, ("v", "w"): 2, ("q", "b"): 1, ("k", "b"): 1, ("v", "b"): 1,
+    ("o", "w"): 1, ("gate", "w"): 2, ("up", "w"): 2, ("gate", "b"): 1, ("up", "b"): 1,
+    ("down", "w"): 1,
+}  # fmt: skip
+
+
+def make_mesh(data: int, model: int, devices=None) -> Mesh:
+    """A ("data", "model") mesh of data x model devices (default: the first of jax.devices())."""
+    for name, n in (("data", data), ("model", model)):
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"make_mesh: {name}={n!r}: expected an int >= 1")
+    devices = jax.devices() if devices is None else list(devices)
+    if data * model > len(devices):
+        raise ValueError(
+            f"make_mesh: data x model = {data} x {model} devices, but {len(devices)} are "
+            "available (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before "
+            "jax starts)"
+        )
+    return Mesh(np.asarray(devices[: data * model]).reshape(data, model), (DATA, MODEL))
+
+
+def _key_name(k) -> str:
+    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+
+
+def param_specs(params):
+    """The PartitionSpec of every parameter of a `models.llama.Llama` state (`nnx.split`)."""
+
+    def spec(path, x):
+        names = [_key_name(k) for k in path if _key_name(k) != "value"]
+        if len(names) >= 3 and names[0] == "layers":
+            axis = _SPLIT.get(tuple(names[-2:]))
+            if axis is not None:
+                return P(*([None] * axis), MODEL)
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def global_array(x, sharding: NamedSharding) -> jax.Array:
+    """`x` (the same full value on every process) as a global array with `sharding`: each
+    process places only its devices' shards (works in one process and under jax.distributed)."""
+    x = np.asarray(x) if not isinstance(x, jax.Array) else x
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: np.asarray(x[idx]))
+
+
+class ShardedDecoder:
+    """`jaxkv.decode.Decoder` over a mesh (module docstring).
+
+    Args:
+      model: the (global) `models.llama.Llama`, or an abstract one (`nnx.eval_shape`).
+      cache_config: the global cache: `batch` sequences, the model's `kv_heads`; capacities
+        per device and layer (a fraction means of the device's own footprint).
+      placement: as for `Decoder`; each device runs the policy on its shard.
+      mesh: a mesh with axes "data" and "model" (`make_mesh`); batch must divide over data,
+        KV heads, query heads and ffn_dim over model.
+      stagger: steps between successive devices' window phases (0: all plan together).
+      **kwargs: `Decoder`'s (max_new_tokens, profile, sampler, eos_id, impl, ...).
+    """
+
+    def __init__(
+        self,
+        model,
+        cache_config: CacheConfig,
+        placement: PlacementConfig,
+        *,
+        mesh: Mesh,
+        stagger: int = 0,
+        **kwargs,
+    ):
+        from flax import nnx
+
+        from models.llama import Llama
+
+        if not isinstance(mesh, Mesh) or set(mesh.axis_names) != {DATA, MODEL}:
+            raise ValueError(f"mesh must be a Mesh with axes {(DATA, MODEL)}, got {mesh!r}")
+        if not isinstance(stagger, int) or isinstance(stagger, bool) or stagger < 0:
+            raise ValueError(f"stagger={stagger!r}: expected an int >= 0 (steps)")
+        if cache_config.host_memory_kind == "unpinned_host":
+            raise ValueError(
+                "ShardedDecoder: host_memory_kind='unpinned_host' is not supported (a traced "
+                "value has no unpinned memory space); use 'pinned_host' or 'device'"
+            )
+        mc = model.config
+        nd, nm = mesh.shape[DATA], mesh.shape[MODEL]
+        for what, n, by in (
+            ("cache batch", cache_config.batch, nd),
+            ("KV heads", mc.num_kv_heads, nm),
+            ("query heads", mc.num_heads, nm),
+            ("ffn_dim", mc.ffn_dim, nm),
+        ):
+            if n % by:
+                axis = "data" if by == nd and what == "cache batch" else "model"
+                raise ValueError(
+                    f"ShardedDecoder: {what}={n} does not divide over the mesh's {axis!r} axis "
+                    f"of {by} devices"
+                )
+        local_mc = dataclasses.replace(
+            mc,
+            num_heads=mc.num_heads // nm,
+            num_kv_heads=mc.num_kv_heads // nm,
+            ffn_dim=mc.ffn_dim // nm,
+            tp_axis=MODEL if nm > 1 else None,
+        )
+        local_model = nnx.eval_shape(lambda: Llama(local_mc, rngs=nnx.Rngs(0)))
+        local_cache = dataclasses.replace(
+            cache_config, batch=cache_config.batch // nd, kv_heads=cache_config.kv_heads // nm
+        )
+        self.mesh, self.stagger = mesh, stagger
+        self.model_config, self.cache_config, self.placement = mc, cache_config, placement
+        self.local = Decoder(local_model, local_cache, placement, **kwargs)
+        self.max_new_tokens = self.local.max_new_tokens
+        _, abstract = nnx.split(nnx.eval_shape(lambda: Llama(mc, rngs=nnx.Rngs(0))))
+        self.param_specs = param_specs(abstract)
+        self._prefills: dict[int, object] = {}
+
+    # ---- placement on the mesh --------------------------------------------------------------
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.size
+
+    def shard_params(self, params):
+        """The model's parameters placed on the mesh: tensor-parallel weights split over
+        "model", the rest replicated."""
+        return jax.tree.map(
+            lambda x, s: global_array(x, NamedSharding(self.mesh, s)), params, self.param_specs
+        )
+
+    def state_shardings(self, state_like):
+        """NamedShardings for a global DecodeState like `state_like`: P("data", "model") on
+        every leaf, the host pools in the cache's host memory kind."""
+        dev = NamedSharding(self.mesh, STATE_SPEC, memory_kind=HBM_KIND)
+        host = NamedSharding(self.mesh, STATE_SPEC, memory_kind=self.cache_config.host_memory_kind)
+        sh = jax.tree.map(lambda _: dev, state_like)
+        cache = replace(sh.cache, host_k=host, host_v=host)
+        return replace(sh, cache=cache)
+
+    # ---- decoding -----------------------------------------------------------------------------
+
+    def prefill(self, params, prompts, lengths=None, *, key=None):
+        """The prompts [batch, T] (every process passes all of them) prefilled on the mesh:
+        each data shard its sequences, each model shard its KV heads. Returns the global
+        state. `params`: the global model's state, placed or not (`shard_params`)."""
+        prompts = np.asarray(prompts, np.int32)
+        B = self.cache_config.batch
+        if prompts.ndim != 2 or prompts.shape[0] != B:
+            raise ValueError(f"prompts has shape {prompts.shape}, expected ({B}, T)")
+        lengths = np.full((B,), prompts.shape[1], np.int32) if lengths is None else lengths
+        lengths = np.asarray(lengths, np.int32)
+        # the single-device checks (ids, lengths against max_len), before anything runs
+        from jaxkv.decode_setup import check_prompts
+
+        check_prompts(prompts, lengths, self.cache_config, self.model_config.vocab_size)
+        nd = self.mesh.shape[DATA]
+        data = NamedSharding(self.mesh, P(DATA))
+        p = global_array(prompts.reshape(nd, B // nd, -1), data)
+        n = global_array(lengths.reshape(nd, B // nd), data)
+        key = jax.random.key(0) if key is None else key
+        return self._prefill_fn(p.shape[-1])(params, p, n, jax.random.key_data(key))
+
+    def step(self, params, state):
+        """One decode step on every device (the state is donated); each device ends its
+        window when its own (staggered) window is due."""
+        if _steps(state) >= self.max_new_tokens - 1:
+            raise ValueError(
+                f"the state has decoded max_new_tokens={self.max_new_tokens} tokens: no room "
+                "for another; build the ShardedDecoder with a larger max_new_tokens"
+            )
+        return self._step_fn(params, state)
+
+    def generate(self, params, state, until: int | None = None):
+        """Steps until `until` steps (default max_new_tokens - 1)."""
+        until = self.max_new_tokens - 1 if until is None else min(until, self.max_new_tokens - 1)
+        done = _steps(state)
+        for _ in range(max(0, until - done)):
+            state = self._step_fn(params, state)
+        return state
+
+    # ---- reading results ----------------------------------------------------------------------
+
+    def tokens(self, state) -> np.ndarray:
+        """[batch, max_new_tokens] tokens (every model shard holds the same; the first's)."""
+        t = _host(state.sampling.tokens)[:, 0]  # [data, batch / data, n]
+        return t.reshape(self.cache_config.batch, -1)
+
+    def local_state(self, state, device: int):
+        """Device `device`'s (row-major over data, model) own DecodeState, on the host."""
+        nm = self.mesh.shape[MODEL]
+        i, j = divmod(device, nm)
+        return jax.tree.map(lambda x: _host(x)[i, j], state)
+
+    def phases(self) -> list[int]:
+        """Each device's window phase: steps its first window is delayed by."""
+        w = self.placement.window
+        return [(d * self.stagger) % w for d in range(self.num_devices)]
+
+    # ---- the per-device functions --------------------------------------------------------------
+
+    def _unstack(self, tree):
+        return jax.tree.map(lambda x: x[0, 0], tree)
+
+    def _stack(self, tree):
+        return jax.tree.map(lambda x: x[None, None], tree)
+
+    def _prefill_fn(self, T: int):
+        """The jitted prefill of prompts of T tokens (one compile per T)."""
+        if T not in self._prefills:
+            self._prefills[T] = self._build_prefill(T)
+        return self._prefills[T]
+
+    def _build_prefill(self, T: int):
+        local, mesh, nm = self.local, self.mesh, self.mesh.shape[MODEL]
+        w, stagger = self.placement.window, self.stagger
+
+        def body(params, prompts, lengths, key):
+            st = local._prefill_impl(params, prompts[0], lengths[0], jax.random.wrap_key_data(key))
+            d = jax.lax.axis_index(DATA) * nm + jax.lax.axis_index(MODEL)
+            phase = (d * stagger) % w
+            pl = st.placement
+            st = replace(st, placement=replace(pl, since_plan=pl.since_plan - phase))
+            return self._stack(st)
+
+        fn = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(self.param_specs, P(DATA), P(DATA), P()),
+            out_specs=STATE_SPEC,
+            check_vma=False,
+        )
+        nd = mesh.shape[DATA]
+        c = self.cache_config
+        shapes = jax.eval_shape(
+            fn,
+            self._abstract_params(),
+            jax.ShapeDtypeStruct((nd, c.batch // nd, T), jnp.int32),
+            jax.ShapeDtypeStruct((nd, c.batch // nd), jnp.int32),
+            jax.ShapeDtypeStruct((2,), jnp.uint32),
+        )
+        self._shardings = self.state_shardings(shapes)
+        return jax.jit(fn, out_shardings=self._shardings)
+
+    def _abstract_params(self):
+        from flax import nnx
+
+        from models.llama import Llama
+
+        mc = self.model_config
+        return nnx.split(nnx.eval_shape(lambda: Llama(mc, rngs=nnx.Rngs(0))))[1]
+
+    @functools.cached_property
+    def _step_fn(self):
+        local = self.local
+
+        def body(params, state):
+            st = local._step_impl(params, self._unstack(state), plan="cond")
+            return self._stack(st)
+
+        fn = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(self.param_specs, STATE_SPEC),
+            out_specs=STATE_SPEC,
+            check_vma=False,
+        )
+        if not hasattr(self, "_shardings"):
+            raise ValueError("ShardedDecoder.step before prefill: prefill a state first")
+        return jax.jit(fn, donate_argnums=(1,), out_shardings=self._shardings)
+
+
+def _steps(state) -> int:
+    """Steps a global state has taken (every device takes the same)."""
+    return int(_host(state.sampling.step).reshape(-1)[0])
+
+
+def _host(x) -> np.ndarray:
+    """A global array's value on this process (all of it: gathered across processes); a PRNG
+    key array's key data."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def summarize(dec: ShardedDecoder, state) -> dict:
+    """The mesh's decode: per step the slowest device's modeled time (the devices step in
+    lockstep), bytes and migrations summed over devices, and each device's migrations per
+    step (`moved_trace`)."""
+    m = jax.tree.map(_host, state.metrics)
+    steps = _steps(state)
+    lat = m.latency[..., :steps].max(axis=(0, 1))  # [steps]
+    total = float(lat.sum())
+    B = dec.cache_config.batch
+    return {
+        "devices": dec.num_devices,
+        "mesh": dict(dec.mesh.shape),
+        "steps": steps,
+        "modeled_seconds": total,
+        "modeled_tokens_per_s": B * steps / total if total > 0 else float("nan"),
+        "hbm_hit_rate": float(m.hbm_reads.sum() / max(float(m.total_reads.sum()), 1.0)),
+        "hbm_bytes": float(m.hbm_bytes[..., :steps].sum()),
+        "host_bytes": float(m.host_bytes[..., :steps].sum()),
+        "migrated_blocks": int(m.migrated_blocks.sum()),
+        "moved_per_device_step": m.moved_trace[..., :steps].reshape(dec.num_devices, steps),
+        "phases": dec.phases(),
+    }

@@ -1,0 +1,104 @@
+"""Runs a sharded decode in a fresh interpreter (the mesh needs devices jax was started with):
+`python tests/sharded_worker.py CASE [--process-id I --processes N --port P]`; prints one
+JSON line. Used by tests/test_sharded.py; CASE is "mesh" (8 simulated CPU devices, one
+process) or "distributed" (one of N processes under jax.distributed on localhost)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("case", choices=("mesh", "distributed"))
+    ap.add_argument("--devices", type=int, default=8, help="CPU devices of this process")
+    ap.add_argument("--process-id", type=int, default=0)
+    ap.add_argument("--processes", type=int, default=1)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--policy", default="lru")
+    ap.add_argument("--attention", default="exact")
+    ap.add_argument("--fp8", default="off")
+    ap.add_argument("--mesh", default="4,2", help="data,model")
+    ap.add_argument("--stagger", type=int, default=1)
+    args = ap.parse_args()
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import jax
+
+    if args.case == "distributed":
+        jax.distributed.initialize(
+            coordinator_address=f"localhost:{args.port}",
+            num_processes=args.processes,
+            process_id=args.process_id,
+            local_device_ids=list(range(args.devices)),
+        )
+    import numpy as np
+    from flax import nnx
+
+    from jaxkv import sharded
+    from jaxkv.config import CacheConfig, PlacementConfig
+    from jaxkv.decode import Decoder
+    from models import tiny_model
+
+    model = tiny_model(0)
+    _, params = nnx.split(model)
+    nd, nm = (int(x) for x in args.mesh.split(","))
+    B, new = 4, 16
+    cfg = CacheConfig.for_model(
+        model.config, batch=B, max_len=96, block_size=8, hbm_capacity=0.25, fp8=args.fp8
+    )
+    pl = PlacementConfig(policy=args.policy, window=4, attention=args.attention, topk=0.3)
+    prompts = np.asarray(jax.random.randint(jax.random.key(7), (B, 45), 0, 256), np.int32)
+    lens = np.array([45, 30, 41, 12], np.int32)
+    with jax.default_device(jax.local_devices()[0]):  # the one-device reference, per process
+        one = Decoder(model, cfg, pl, max_new_tokens=new)
+        ref = np.asarray(one.generate(params, one.prefill(params, prompts, lens)).tokens)
+    mesh = sharded.make_mesh(nd, nm)
+    dec = sharded.ShardedDecoder(
+        model, cfg, pl, mesh=mesh, stagger=args.stagger, max_new_tokens=new
+    )
+    sp = dec.shard_params(params)
+    state = dec.prefill(sp, prompts, lens)
+    kinds0 = sorted({s.data.sharding.memory_kind for s in state.cache.host_k.addressable_shards})
+    state = dec.generate(sp, state)
+    summary = sharded.summarize(dec, state)
+    pools = {
+        name: sorted(
+            {s.data.sharding.memory_kind for s in getattr(state.cache, name).addressable_shards}
+        )
+        for name in ("host_k", "host_v", "hbm_k", "hbm_v")
+    }
+    print(
+        json.dumps(
+            dict(
+                process=jax.process_index(),
+                processes=jax.process_count(),
+                devices=jax.device_count(),
+                local_devices=jax.local_device_count(),
+                tokens=dec.tokens(state).tolist(),
+                reference=ref.tolist(),
+                kinds_after_prefill=kinds0,
+                pool_kinds=pools,
+                host_dtype=str(state.cache.host_k.dtype),
+                shards=len(state.cache.host_k.addressable_shards),
+                phases=summary["phases"],
+                window=pl.window,
+                moved=np.asarray(summary["moved_per_device_step"]).tolist(),
+                summary={
+                    k: v for k, v in summary.items() if k not in ("moved_per_device_step", "mesh")
+                },
+            )
+        ),
+        flush=True,
+    )
+    if args.case == "distributed":
+        jax.distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""The sharded cache and decode loop (`jaxkv.sharded`) on 8 simulated CPU devices and across two
+processes under jax.distributed. A mesh needs the devices jax starts with, so the multi-device
+runs happen in fresh interpreters (tests/sharded_worker.py, one JSON line each)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxkv import sharded
+from jaxkv.config import CacheConfig, PlacementConfig
+
+WORKER = os.path.join(os.path.dirname(__file__), "sharded_worker.py")
+
+
+def _worker(*args, timeout=600):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run(
+        [sys.executable, WORKER, *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def exact_lru():
+    return _worker("mesh", "--policy", "lru", "--attention", "exact")
+
+
+@pytest.fixture(scope="module")
+def sparse_fp8():
+    return _worker("mesh", "--policy", "lru", "--attention", "sparse", "--fp8", "host")
+
+
+def test_sharded_exact_decoding_gives_one_devices_tokens(exact_lru):
+    """4 data x 2 model shards (sequences and KV heads), tensor-parallel model: the greedy
+    tokens equal the one-device decoder's."""
+    r = exact_lru
+    assert r["devices"] == 8 and r["shards"] == 8
+    assert r["tokens"] == r["reference"]
+
+
+def test_every_shard_keeps_its_pools_memory_kind(exact_lru, sparse_fp8):
+    for r in (exact_lru, sparse_fp8):
+        assert r["kinds_after_prefill"] == ["pinned_host"]
+        assert r["pool_kinds"] == {
+            "host_k": ["pinned_host"],
+            "host_v": ["pinned_host"],
+            "hbm_k": ["device"],
+            "hbm_v": ["device"],
+        }
+    assert sparse_fp8["host_dtype"] == "float8_e4m3fn"
+
+
+def test_migrations_happen_at_each_devices_phase(sparse_fp8):
+    """stagger=1, W=4: device d plans (and migrates) only at steps s with
+    s = W - 1 + phase_d (mod W), phase_d = d mod 4; every phase migrates at least once, so no
+    step has all devices migrating. (Sparse selection ranks blocks by the Quest bound summed over
+    a device's own query heads, so its tokens may differ from one device's: not compared.)"""
+    r = sparse_fp8
+    W, phases, moved = r["window"], r["phases"], np.asarray(r["moved"])
+    assert phases == [d % 4 for d in range(8)]
+    for d, phase in enumerate(phases):
+        steps = np.flatnonzero(moved[d])
+        assert steps.size > 0, f"device {d} never migrated"
+        assert ((steps - (W - 1) - phase) % W == 0).all(), (d, steps.tolist())
+    movers = (moved > 0).sum(axis=0)
+    assert movers.max() < 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_decode_one_sharded_cache():
+    """Two processes on localhost (4 CPU devices each) under jax.distributed.initialize form one
+    4 x 2 mesh; each decodes the same prompts with the cache sharded across both and gets the
+    one-device tokens."""
+    port = str(_free_port())
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                WORKER,
+                "distributed",
+                "--devices",
+                "4",
+                "--processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--port",
+                port,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert p.returncode == 0, err[-4000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(o["process"] for o in outs) == [0, 1]
+    for o in outs:
+        assert o["processes"] == 2 and o["devices"] == 8 and o["local_devices"] == 4
+        assert o["shards"] == 4  # this process's half of the 8 shards
+        assert o["tokens"] == o["reference"]
+        assert o["pool_kinds"]["host_k"] == ["pinned_host"]
+    assert outs[0]["tokens"] == outs[1]["tokens"]
+
+
+def test_one_device_mesh_in_process(tiny):
+    """A 1 x 1 mesh is the single-device decoder under shard_map: the same tokens."""
+    from jaxkv.decode import Decoder
+
+    model, params = tiny
+    cfg = CacheConfig.for_model(model.config, batch=2, max_len=64, block_size=8, hbm_capacity=0.5)
+    pl = PlacementConfig(policy="lru", window=3)
+    prompts = np.asarray(jax.random.randint(jax.random.key(1), (2, 20), 0, 256), np.int32)
+    one = Decoder(model, cfg, pl, max_new_tokens=8)
+    ref = np.asarray(one.generate(params, one.prefill(params, prompts)).tokens)
+    dec = sharded.ShardedDecoder(model, cfg, pl, mesh=sharded.make_mesh(1, 1), max_new_tokens=8)
+    state = dec.generate(params, dec.prefill(dec.shard_params(params), prompts))
+    np.testing.assert_array_equal(dec.tokens(state), ref)
+    s = sharded.summarize(dec, state)
+    assert s["devices"] == 1 and s["steps"] == 7 and s["modeled_seconds"] > 0
+    with pytest.raises(ValueError, match="max_new_tokens=8"):
+        dec.step(params, state)
+
+
+def test_bad_arguments_are_refused_up_front(tiny):
+    model, _ = tiny
+    cfg = CacheConfig.for_model(model.config, batch=2, max_len=64, block_size=8)
+    pl = PlacementConfig()
+    n = len(jax.devices())
+    with pytest.raises(ValueError, match=f"but {n} are available"):
+        sharded.make_mesh(n + 1, 1)
+    with pytest.raises(ValueError, match="data=0"):
+        sharded.make_mesh(0, 1)
+    mesh = sharded.make_mesh(1, 1)
+    with pytest.raises(ValueError, match="stagger=-1"):
+        sharded.ShardedDecoder(model, cfg, pl, mesh=mesh, stagger=-1, max_new_tokens=4)
+    unpinned = CacheConfig.for_model(
+        model.config, batch=2, max_len=64, host_memory_kind="unpinned_host"
+    )
+    with pytest.raises(ValueError, match="unpinned_host"):
+        sharded.ShardedDecoder(model, unpinned, pl, mesh=mesh, max_new_tokens=4)
+    with pytest.raises(ValueError, match="mesh must be a Mesh"):
+        sharded.ShardedDecoder(model, cfg, pl, mesh=None, max_new_tokens=4)
+    dec = sharded.ShardedDecoder(model, cfg, pl, mesh=mesh, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"expected \(2, T\)"):
+        dec.prefill(None, np.zeros((3, 5), np.int32))
+
+
+def test_param_specs_split_the_tensor_parallel_weights(tiny):
+    from jax.sharding import PartitionSpec as P
+
+    _, params = tiny
+    specs = {
+        jax.tree_util.keystr(p): s
+        for p, s in jax.tree_util.tree_leaves_with_path(
+            sharded.param_specs(params), is_leaf=lambda x: isinstance(x, P)
+        )
+    }
+    assert specs["['layers']['attn']['q']['w'].value"] == P(None, None, "model")
+    assert specs["['layers']['attn']['o']['w'].value"] == P(None, "model")
+    assert specs["['layers']['mlp']['down']['w'].value"] == P(None, "model")
+    assert specs["['layers']['mlp']['up']['w'].value"] == P(None, None, "model")
+    assert specs["['embed'].value"] == P() and specs["['lm_head'].value"] == P()
