@@ -41,7 +41,8 @@ test-paper-scale: $(STAMP)
 
 # Compile the decode loop for an H200 on this (GPU-less) machine and check its structure: no host
 # syncs, no per-block loops, bulk host reads (tests/test_gpu_compile.py on a small shape, then
-# bench/gpu_ops.py --must-hold --check on the 32-layer Llama-3.1-8B shape: about 2.5 min).
+# bench/gpu_ops.py --must-hold --check on the 32-layer Llama-3.1-8B shape: about 2.5 min; then
+# bench/gpu_ops_sharded.py --check: the sharded step on 8 H200s, 1x8 and 2x4 meshes).
 # Needs the CUDA plugin (the gpu-compile extra, installed here if missing) and /usr/local/cuda.
 GPU_COMPILE_CHECK := --must-hold --check
 test-gpu-compile: $(STAMP)
@@ -49,6 +50,7 @@ test-gpu-compile: $(STAMP)
 	  || $(PY) -m pip install -q -e '.[gpu-compile]'
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 -m gpu_compile tests/test_gpu_compile.py
 	JAX_PLATFORMS=cpu $(PY) bench/gpu_ops.py $(GPU_COMPILE_CHECK)
+	JAX_PLATFORMS=cpu $(PY) bench/gpu_ops_sharded.py --check
 
 # The lent GPU machine runs jax 0.11.2: run the kernel tests (interpreter, race detector,
 # lowering for cuda) under that version on CPU before a GPU session spends its minutes.
