@@ -31,6 +31,12 @@ collectives whichever branch it takes). On a GPU that conditional copies its pre
 host unless XLA captures it in a command buffer; the single-device `Decoder` compiles its
 window step apart for that reason.
 
+Links. `link_bandwidths` gives each device its own host-link bandwidth (a pool on a far NUMA
+node): each distinct bandwidth gets a sibling local `Decoder` with that profile, and a device's
+plan and modeled step time are its sibling's (`lax.switch` on the device index; no collective
+inside). JAX offers no control over which NUMA node XLA's pinned-host allocator uses; one
+process per GPU bound to its node (`numactl --membind`) is the lever, and this prices the rest.
+
 Hosts. The same code runs under `jax.distributed.initialize` with a mesh over every process's
 devices (tests/test_sharded.py starts two processes on localhost); inputs are built from each
 process's copy of the prompts and parameters (`global_array`).
@@ -103,6 +109,32 @@ def global_array(x, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: np.asarray(x[idx]))
 
 
+class _PerDeviceDecoder(Decoder):
+    """The local decoder when devices' links differ: the plan and the modeled latency of each
+    device use its own profile (one sibling `Decoder` per distinct profile, chosen by the
+    device's index with `lax.switch`; neither contains a collective, so devices may take
+    different branches). Everything else is the first sibling's."""
+
+    def _with_siblings(self, siblings: tuple, index: tuple, model_axis: int):
+        object.__setattr__(self, "_siblings", siblings)
+        object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_model_axis", model_axis)
+        return self
+
+    def _choice(self):
+        d = jax.lax.axis_index(DATA) * self._model_axis + jax.lax.axis_index(MODEL)
+        return jnp.asarray(self._index, jnp.int32)[d]
+
+    def _window(self, state):
+        return jax.lax.switch(
+            self._choice(), [Decoder._window.__get__(x) for x in self._siblings], state
+        )
+
+    def _step_latency(self, *args):
+        fns = [functools.partial(Decoder._step_latency, x) for x in self._siblings]
+        return jax.lax.switch(self._choice(), fns, *args)
+
+
 class ShardedDecoder:
     """`jaxkv.decode.Decoder` over a mesh (module docstring).
 
@@ -114,6 +146,9 @@ class ShardedDecoder:
       mesh: a mesh with axes "data" and "model" (`make_mesh`); batch must divide over data,
         KV heads, query heads and ffn_dim over model.
       stagger: steps between successive devices' window phases (0: all plan together).
+      link_bandwidths: None, or one host-link bandwidth (bytes/s) per device (row-major over
+        data, model): each device's plans and modeled time price its own link (a host pool on
+        a far NUMA node: about a third of the near one's on a GB200). The profile's otherwise.
       **kwargs: `Decoder`'s (max_new_tokens, profile, sampler, eos_id, impl, ...).
     """
 
@@ -125,6 +160,7 @@ class ShardedDecoder:
         *,
         mesh: Mesh,
         stagger: int = 0,
+        link_bandwidths=None,
         **kwargs,
     ):
         from flax import nnx
@@ -167,11 +203,41 @@ class ShardedDecoder:
         )
         self.mesh, self.stagger = mesh, stagger
         self.model_config, self.cache_config, self.placement = mc, cache_config, placement
-        self.local = Decoder(local_model, local_cache, placement, **kwargs)
+        self.link_bandwidths = None
+        if link_bandwidths is None:
+            self.local = Decoder(local_model, local_cache, placement, **kwargs)
+        else:
+            self.local = self._per_device(local_model, local_cache, link_bandwidths, kwargs)
         self.max_new_tokens = self.local.max_new_tokens
         _, abstract = nnx.split(nnx.eval_shape(lambda: Llama(mc, rngs=nnx.Rngs(0))))
         self.param_specs = param_specs(abstract)
         self._prefills: dict[int, object] = {}
+
+    def _per_device(self, local_model, local_cache, bandwidths, kwargs):
+        from jaxkv.config import HardwareProfile
+
+        bws = [float(b) for b in bandwidths]
+        if len(bws) != self.mesh.size or not all(np.isfinite(b) and b > 0 for b in bws):
+            raise ValueError(
+                f"link_bandwidths={list(bandwidths)!r}: expected {self.mesh.size} positive "
+                "bandwidths (bytes/s), one per device"
+            )
+        base = kwargs.pop("profile", "gh200")
+        base = HardwareProfile.preset(base) if isinstance(base, str) else base
+        distinct = sorted(set(bws))
+        profiles = [
+            dataclasses.replace(base, name=f"{base.name}@{b / 1e9:g}GB/s", link_bandwidth=b)
+            for b in distinct
+        ]
+        siblings = tuple(
+            Decoder(local_model, local_cache, self.placement, profile=p, **kwargs) for p in profiles
+        )
+        index = tuple(distinct.index(b) for b in bws)
+        self.link_bandwidths = tuple(bws)
+        dec = _PerDeviceDecoder(
+            local_model, local_cache, self.placement, profile=profiles[0], **kwargs
+        )
+        return dec._with_siblings(siblings, index, self.mesh.shape[MODEL])
 
     # ---- placement on the mesh --------------------------------------------------------------
 

@@ -23,6 +23,7 @@ def main() -> int:
     ap.add_argument("--fp8", default="off")
     ap.add_argument("--mesh", default="4,2", help="data,model")
     ap.add_argument("--stagger", type=int, default=1)
+    ap.add_argument("--link-gbps", default=None, help="per-device link GB/s, comma separated")
     args = ap.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -58,8 +59,16 @@ def main() -> int:
         one = Decoder(model, cfg, pl, max_new_tokens=new)
         ref = np.asarray(one.generate(params, one.prefill(params, prompts, lens)).tokens)
     mesh = sharded.make_mesh(nd, nm)
+    bws = None if args.link_gbps is None else [float(x) * 1e9 for x in args.link_gbps.split(",")]
     dec = sharded.ShardedDecoder(
-        model, cfg, pl, mesh=mesh, stagger=args.stagger, max_new_tokens=new
+        model,
+        cfg,
+        pl,
+        mesh=mesh,
+        stagger=args.stagger,
+        max_new_tokens=new,
+        link_bandwidths=bws,
+        profile="h200-pcie",
     )
     sp = dec.shard_params(params)
     state = dec.prefill(sp, prompts, lens)
@@ -88,6 +97,12 @@ def main() -> int:
                 phases=summary["phases"],
                 window=pl.window,
                 moved=np.asarray(summary["moved_per_device_step"]).tolist(),
+                latency=sharded._host(state.metrics.latency)[..., : summary["steps"]]
+                .reshape(mesh.size, -1)
+                .tolist(),
+                host_bytes=sharded._host(state.metrics.host_bytes)[..., : summary["steps"]]
+                .reshape(mesh.size, -1)
+                .tolist(),
                 summary={
                     k: v for k, v in summary.items() if k not in ("moved_per_device_step", "mesh")
                 },

@@ -74,6 +74,23 @@ def test_migrations_happen_at_each_devices_phase(sparse_fp8):
     assert movers.max() < 8
 
 
+def test_each_device_prices_its_own_link():
+    """link_bandwidths: the model shard 1 of every data row reads its host pool over a link a
+    tenth as fast (a far NUMA node). Exact LRU places identically on both model shards, so
+    both read the same host bytes; the slow devices' modeled steps are never faster and are
+    slower wherever a step reads host blocks."""
+    gbps = ",".join("55" if d % 2 == 0 else "5.5" for d in range(8))
+    r = _worker("mesh", "--policy", "lru", "--attention", "exact", "--link-gbps", gbps)
+    lat, host = np.asarray(r["latency"]), np.asarray(r["host_bytes"])
+    assert r["tokens"] == r["reference"]
+    for row in range(4):
+        fast, slow = 2 * row, 2 * row + 1
+        np.testing.assert_array_equal(host[fast], host[slow])
+        assert (lat[slow] >= lat[fast]).all()
+        reads = host[fast] > 0
+        assert reads.any() and (lat[slow][reads] > lat[fast][reads]).all()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
@@ -166,6 +183,8 @@ def test_bad_arguments_are_refused_up_front(tiny):
         sharded.ShardedDecoder(model, unpinned, pl, mesh=mesh, max_new_tokens=4)
     with pytest.raises(ValueError, match="mesh must be a Mesh"):
         sharded.ShardedDecoder(model, cfg, pl, mesh=None, max_new_tokens=4)
+    with pytest.raises(ValueError, match="expected 1 positive bandwidths"):
+        sharded.ShardedDecoder(model, cfg, pl, mesh=mesh, link_bandwidths=[1e9, 2e9])
     dec = sharded.ShardedDecoder(model, cfg, pl, mesh=mesh, max_new_tokens=4)
     with pytest.raises(ValueError, match=r"expected \(2, T\)"):
         dec.prefill(None, np.zeros((3, 5), np.int32))
