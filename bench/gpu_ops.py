@@ -101,6 +101,20 @@ def abstract_model(layers: int, shape: dict, max_len: int):
     return nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
 
 
+def cache_config(mc, batch: int, max_len: int, **kw) -> CacheConfig:
+    """The compile check's cache for model config `mc`: block 16, bf16, HBM 25% unless `kw`
+    says otherwise (any CacheConfig field)."""
+    base = dict(block_size=16, hbm_capacity=0.25, dtype="bfloat16")
+    return CacheConfig(
+        num_layers=mc.num_layers,
+        kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        batch=batch,
+        max_len=max_len,
+        **{**base, **kw},
+    )
+
+
 def _is_host_pool(path, _leaf) -> bool:
     names = [getattr(k, "name", None) for k in path]
     return "host_k" in names or "host_v" in names
@@ -118,6 +132,7 @@ def build(
     topk: float = 0.25,
     window: int = 50,
     new_tokens: int = NEW_TOKENS,
+    fp8: str = "off",
 ):
     """(decoder, abstract params, abstract decode state after a `context`-token prefill).
 
@@ -126,16 +141,7 @@ def build(
     max_len = context + new_tokens
     model = abstract_model(layers, shape, max_len)
     mc = model.config
-    cache_cfg = CacheConfig(
-        num_layers=layers,
-        kv_heads=mc.num_kv_heads,
-        head_dim=mc.head_dim,
-        batch=batch,
-        max_len=max_len,
-        block_size=16,
-        hbm_capacity=hbm,
-        dtype="bfloat16",
-    )
+    cache_cfg = cache_config(mc, batch, max_len, hbm=hbm, fp8=fp8)
     placement = PlacementConfig(policy=policy, attention=mode, topk=topk, window=window)
     dec = Decoder(model, cache_cfg, placement, max_new_tokens=new_tokens, profile="h200-pcie")
     params = gc.abstract(nnx.split(model)[1], host=lambda p, x: False)
@@ -147,13 +153,22 @@ def build(
     return dec, params, state, (prompts, lengths, key)
 
 
-def compile_cases(layers, context, batch, mode, policy, *, shape, target, what, hbm=0.25):
+def compile_cases(
+    layers, context, batch, mode, policy, *, shape, target, what, hbm=0.25, fp8="off"
+):
     """Compiles the functions in `what` ("step", "window_step", "migrate", "compact",
     "prefill") for one case.
 
     Returns {function: (CompiledModule, analysis)}."""
     dec, params, state, (prompts, lengths, key) = build(
-        layers=layers, context=context, batch=batch, mode=mode, policy=policy, shape=shape, hbm=hbm
+        layers=layers,
+        context=context,
+        batch=batch,
+        mode=mode,
+        policy=policy,
+        shape=shape,
+        hbm=hbm,
+        fp8=fp8,
     )
     c = dec.cache_config
     out = {}

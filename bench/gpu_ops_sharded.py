@@ -39,12 +39,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
-from gpu_ops import LLAMA_8B, SMALL, abstract_model, parse_tokens  # noqa: E402
+from gpu_ops import LLAMA_8B, SMALL, abstract_model, cache_config, parse_tokens  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from jaxkv import gpu_compile as gc  # noqa: E402
 from jaxkv import sharded  # noqa: E402
-from jaxkv.config import CacheConfig, PlacementConfig  # noqa: E402
+from jaxkv.config import PlacementConfig  # noqa: E402
 
 NEW_TOKENS = 64
 
@@ -60,17 +60,8 @@ def compile_case(*, layers, context, batch, data, model, mode, policy, shape, st
     max_len = context + NEW_TOKENS
     m = abstract_model(layers, shape, max_len)
     mc = m.config
-    cfg = CacheConfig(
-        num_layers=layers,
-        kv_heads=mc.num_kv_heads,
-        head_dim=mc.head_dim,
-        batch=batch,
-        max_len=max_len,
-        block_size=16,
-        hbm_capacity=0.25,
-        dtype="bfloat16",
-        fetch="xla",  # module docstring: the Triton transfer kernels need an abstract GPU mesh
-    )
+    # fetch="xla": the Triton transfer kernels need an abstract GPU mesh (module docstring)
+    cfg = cache_config(mc, batch, max_len, fetch="xla")
     mesh = sharded.make_mesh(data, model)
     pl = PlacementConfig(policy=policy, attention=mode, topk=0.25, window=50)
     dec = sharded.ShardedDecoder(

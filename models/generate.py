@@ -107,6 +107,7 @@ def generate_text(
     top_p: float | None = None,
     hbm_fraction: float = 0.25,
     policy: str = "lru",
+    fp8: str = "off",
     seed: int = 0,
 ) -> tuple[str, dict]:
     """Generates a continuation; returns (text, decode summary). Arguments are checked before
@@ -143,6 +144,7 @@ def generate_text(
         max_len=max_len,
         block_size=16,
         hbm_capacity=hbm_fraction,
+        fp8=fp8,
     )
     sampler = Greedy() if temperature == 0 else Sampling(temperature, top_k, top_p)
     eos = None
@@ -218,6 +220,7 @@ def _cmd(args) -> int:
         top_p=args.top_p,
         hbm_fraction=args.hbm_fraction,
         policy=args.policy,
+        fp8=args.fp8,
         seed=args.seed,
     )
     print(args.prompt + text)
@@ -239,5 +242,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--hbm-fraction", type=float, default=0.25)
     p.add_argument("--policy", default="lru")
+    p.add_argument(
+        "--fp8", default="off", choices=("off", "host"), help="host: FP8 host-tier blocks"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd)

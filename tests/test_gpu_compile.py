@@ -11,6 +11,7 @@ compile tests skip with the reason; the snippet tests need only jax.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -320,6 +321,23 @@ def _assert_must_hold(rows, fn, bench):
         f"{fn}: gpu_ops {a0['gpu_ops']} at {CONTEXTS[0]} vs {a1['gpu_ops']} at {CONTEXTS[1]} "
         "tokens (per-block work in the program)"
     )
+
+
+@needs_plugin
+@pytest.mark.parametrize("mode", MODES)
+def test_fp8_host_step_must_hold_and_reads_fp8_over_the_link(bench, mode):
+    """fp8="host": the same must-holds, and the host pools the step reads are float8 buffers
+    in host memory (S(5)): the link carries one byte an element."""
+    rows = {}
+    for ctx in CONTEXTS:
+        res = bench.compile_cases(
+            LAYERS, ctx, 1, mode, "lru", shape=bench.SMALL, target="h200", what=["step"],
+            fp8="host",
+        )  # fmt: skip
+        rows[ctx] = {"step": res["step"][1]}
+        text = res["step"][0].hlo_text
+        assert re.search(r"f8e4m3fn\[[^\]]*\]\{[^}]*S\(5\)", text), "no FP8 host buffer"
+    _assert_must_hold(rows, "step", bench)
 
 
 @needs_plugin
