@@ -141,7 +141,7 @@ def build(
     max_len = context + new_tokens
     model = abstract_model(layers, shape, max_len)
     mc = model.config
-    cache_cfg = cache_config(mc, batch, max_len, hbm=hbm, fp8=fp8)
+    cache_cfg = cache_config(mc, batch, max_len, hbm_capacity=hbm, fp8=fp8)
     placement = PlacementConfig(policy=policy, attention=mode, topk=topk, window=window)
     dec = Decoder(model, cache_cfg, placement, max_new_tokens=new_tokens, profile="h200-pcie")
     params = gc.abstract(nnx.split(model)[1], host=lambda p, x: False)

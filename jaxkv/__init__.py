@@ -6,6 +6,7 @@ The runtime (what a model imports; it never imports `jaxkv.sim`, scipy or optax)
   cache         TieredKVCache and its pure operations (cache_layout: the pytree; migration:
                 plan_moves / migrate; slot_ops: slot-table helpers)
   transfer      reads and writes across memory kinds
+  quant         FP8 blocks with per-block, per-KV-head scales (the FP8 host tier)
   attention     tier-aware decode attention (exact and Quest-sparse)
   importance    per-block read statistics and the online forecasts' math
   forecasts     forecaster parts: EMA, Reuse, Now
@@ -15,7 +16,8 @@ The runtime (what a model imports; it never imports `jaxkv.sim`, scipy or optax)
   policies      the Policy protocol, Static, Reactive, Anneal (composed from the parts), Follow
   presets       every policy name, resolved in one place
   decode        the functional decode loop
-  gpu_compile   compiling for a GPU on a machine without one
+  sharded       the cache and decode loop on a ("data", "model") mesh, one process or many
+  gpu_compile   compiling for a GPU on a machine without one (gpu_analysis: reading its HLO)
   cli           the `jaxkv` command
 The research side, `jaxkv.sim`: traces, the replay simulator, the bounds and the LP, the
 oracle policies, the learned forecaster (see its docstring).
