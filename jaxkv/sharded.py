@@ -105,8 +105,10 @@ def param_specs(params):
 def global_array(x, sharding: NamedSharding) -> jax.Array:
     """`x` (the same full value on every process) as a global array with `sharding`: each
     process places only its devices' shards (works in one process and under jax.distributed)."""
-    x = np.asarray(x) if not isinstance(x, jax.Array) else x
-    return jax.make_array_from_callback(x.shape, sharding, lambda idx: np.asarray(x[idx]))
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x  # already placed (e.g. shard_params called twice)
+    x = np.asarray(x)  # a process-local value (a multi-process array must already be placed)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
 class _PerDeviceDecoder(Decoder):
