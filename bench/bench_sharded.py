@@ -7,7 +7,7 @@ modeled time; `jaxkv.sharded.summarize`), the largest number of devices migratin
 step, and the wall time per step on this machine (simulated devices share its cores: a
 correctness run, not a speed figure).
 
-    python bench/bench_sharded.py [--attention exact|sparse] [--policy lru] [--json]
+    python bench/bench_sharded.py [--attention exact|sparse] [--policy lru] [--shared-link model]
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--window", type=int, default=4)
+    ap.add_argument(
+        "--shared-link", default=None, choices=("data", "model"),
+        help="the devices along this mesh axis share one host link",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     model = tiny_model(0)
@@ -75,7 +79,14 @@ def main(argv=None) -> int:
     mesh = sharded.make_mesh(4, 2)
     for stagger in (0, 1):
         dec = sharded.ShardedDecoder(
-            model, cfg, pl, mesh=mesh, stagger=stagger, max_new_tokens=new, profile="h200-pcie"
+            model,
+            cfg,
+            pl,
+            mesh=mesh,
+            stagger=stagger,
+            max_new_tokens=new,
+            profile="h200-pcie",
+            shared_link=args.shared_link,
         )
         sp = dec.shard_params(params)
         state = dec.generate(sp, dec.prefill(sp, prompts, lens), until=2)  # compile
@@ -105,6 +116,7 @@ def main(argv=None) -> int:
         attention=args.attention,
         policy=args.policy,
         window=args.window,
+        shared_link=args.shared_link,
         new_tokens=new,
         device=f"{jax.device_count()} x {jax.devices()[0].device_kind} (simulated)",
         jax=jax.__version__,
@@ -115,7 +127,8 @@ def main(argv=None) -> int:
         return 0
     print(
         f"tiny model, batch {B}, {args.attention} attention, {args.policy}, W={args.window}, "
-        f"{new} tokens; {out['device']}, jax {out['jax']}; modeled on h200-pcie"
+        f"{new} tokens; {out['device']}, jax {out['jax']}; modeled on h200-pcie; "
+        f"shared link: {args.shared_link or 'none (one per device)'}"
     )
     print(
         f"{'run':<18} {'mesh':>5} {'same tokens':>11} {'model tok/s':>12} {'hit':>6} "

@@ -70,6 +70,7 @@ from jaxkv.decode_state import (
     PlacementState,
     SamplingState,
     Statistics,
+    link_migration_bytes,
     new_window,
     record_step,
     summarize,
@@ -489,18 +490,17 @@ class Decoder:
         done = sm.done | (active & (nxt == self.eos_id) if self.eos_id is not None else False)
         return key, nxt, tokens, done
 
-    def _step_latency(self, hbm_b, host_b, moved, promoted, demoted):
+    def _step_latency(self, hbm_b, host_b, moved, promoted, demoted, link_mig=None):
         """[] f32: the step's modeled seconds (`jaxkv.cost.layer_step_time`, summed over the
-        layers) from its reads, its token write and its migrations ([layers] blocks each)."""
+        layers) from its reads, its token write and its migrations ([layers] blocks each);
+        `link_mig`: the link's migration bytes [layers] when others share it (jaxkv.sharded)."""
         c = self.cache_config
         bb = float(c.block_bytes)
         write_b = float(c.batch * c.block_bytes // c.block_size)
-        # migrations load both sides of the step they are made in, as in the simulator and
-        # docs/paper.md: a window's migration (and a follow demotion) crosses the link once and
-        # is read or written in HBM once; a follow promotion rides on this step's host read, so
-        # it costs the HBM write alone
+        # as in the simulator (docs/paper.md): a migration crosses the link once and touches
+        # HBM once, in its step; a follow promotion rides on the step's host read (HBM only)
         mig_h = (moved + promoted + demoted).astype(jnp.float32) * bb  # [L]
-        mig_l = (moved + demoted).astype(jnp.float32) * float(c.host_block_bytes)
+        mig_l = link_mig if link_mig is not None else link_migration_bytes(c, moved, demoted)
         return layer_step_time(
             hbm_b,
             host_b,

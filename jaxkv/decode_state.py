@@ -220,3 +220,8 @@ def summarize(
                 else float("nan"),
             )
     return out
+
+
+def link_migration_bytes(c: CacheConfig, moved, demoted):
+    """[layers] f32 link bytes of a step's migrations (a follow promotion rides on the read)."""
+    return (moved + demoted).astype(jnp.float32) * float(c.host_block_bytes)

@@ -56,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 from jaxkv._pytree import replace
 from jaxkv.config import HBM_KIND, CacheConfig, PlacementConfig
 from jaxkv.decode import Decoder
+from jaxkv.decode_state import link_migration_bytes
 
 DATA, MODEL = "data", "model"
 STATE_SPEC = P(DATA, MODEL)
@@ -112,15 +113,18 @@ def global_array(x, sharding: NamedSharding) -> jax.Array:
 
 
 class _PerDeviceDecoder(Decoder):
-    """The local decoder when devices' links differ: the plan and the modeled latency of each
-    device use its own profile (one sibling `Decoder` per distinct profile, chosen by the
-    device's index with `lax.switch`; neither contains a collective, so devices may take
-    different branches). Everything else is the first sibling's."""
+    """The local decoder when devices' links differ or are shared. Differ: the plan and the
+    modeled latency of each device use its own profile (one sibling `Decoder` per distinct
+    profile, chosen by the device's index with `lax.switch`; no branch holds a collective, so
+    devices may take different ones). Shared (`shared_link`, a mesh axis): the devices along
+    it read and migrate over one link, so each one's modeled link time is the group's bytes
+    (a `psum` over that axis, outside any branch). Everything else is the first sibling's."""
 
-    def _with_siblings(self, siblings: tuple, index: tuple, model_axis: int):
+    def _with_siblings(self, siblings: tuple, index: tuple, model_axis: int, shared=None):
         object.__setattr__(self, "_siblings", siblings)
         object.__setattr__(self, "_index", index)
         object.__setattr__(self, "_model_axis", model_axis)
+        object.__setattr__(self, "_shared", shared)
         return self
 
     def _choice(self):
@@ -132,9 +136,15 @@ class _PerDeviceDecoder(Decoder):
             self._choice(), [Decoder._window.__get__(x) for x in self._siblings], state
         )
 
-    def _step_latency(self, *args):
-        fns = [functools.partial(Decoder._step_latency, x) for x in self._siblings]
-        return jax.lax.switch(self._choice(), fns, *args)
+    def _step_latency(self, hbm_b, host_b, moved, promoted, demoted, link_mig=None):
+        if self._shared is not None:  # the group's link bytes, summed before any branch
+            link_mig = link_migration_bytes(self.cache_config, moved, demoted)
+            host_b, link_mig = jax.lax.psum((host_b, link_mig), self._shared)
+        fns = [
+            functools.partial(Decoder._step_latency, x, link_mig=link_mig) for x in self._siblings
+        ]
+        args = (hbm_b, host_b, moved, promoted, demoted)
+        return jax.lax.switch(self._choice(), fns, *args) if len(fns) > 1 else fns[0](*args)
 
 
 class ShardedDecoder:
@@ -151,6 +161,10 @@ class ShardedDecoder:
       link_bandwidths: None, or one host-link bandwidth (bytes/s) per device (row-major over
         data, model): each device's plans and modeled time price its own link (a host pool on
         a far NUMA node: about a third of the near one's on a GB200). The profile's otherwise.
+      shared_link: None (a link per device), or "model" / "data": the devices along that mesh
+        axis share one host link (one PCIe switch, one host's memory), so a step's link time
+        is their bytes together; this is where `stagger` pays. Priced in the modeled time;
+        each device still plans as if its link were its own.
       **kwargs: `Decoder`'s (max_new_tokens, profile, sampler, eos_id, impl, ...).
     """
 
@@ -163,6 +177,7 @@ class ShardedDecoder:
         mesh: Mesh,
         stagger: int = 0,
         link_bandwidths=None,
+        shared_link: str | None = None,
         **kwargs,
     ):
         from flax import nnx
@@ -205,8 +220,10 @@ class ShardedDecoder:
         )
         self.mesh, self.stagger = mesh, stagger
         self.model_config, self.cache_config, self.placement = mc, cache_config, placement
-        self.link_bandwidths = None
-        if link_bandwidths is None:
+        if shared_link not in (None, DATA, MODEL):
+            raise ValueError(f"shared_link={shared_link!r}: expected None, {DATA!r} or {MODEL!r}")
+        self.link_bandwidths, self.shared_link = None, shared_link
+        if link_bandwidths is None and shared_link is None:
             self.local = Decoder(local_model, local_cache, placement, **kwargs)
         else:
             self.local = self._per_device(local_model, local_cache, link_bandwidths, kwargs)
@@ -218,14 +235,16 @@ class ShardedDecoder:
     def _per_device(self, local_model, local_cache, bandwidths, kwargs):
         from jaxkv.config import HardwareProfile
 
+        base = kwargs.pop("profile", "gh200")
+        base = HardwareProfile.preset(base) if isinstance(base, str) else base
+        if bandwidths is None:
+            bandwidths = [base.link_bandwidth] * self.mesh.size
         bws = [float(b) for b in bandwidths]
         if len(bws) != self.mesh.size or not all(np.isfinite(b) and b > 0 for b in bws):
             raise ValueError(
                 f"link_bandwidths={list(bandwidths)!r}: expected {self.mesh.size} positive "
                 "bandwidths (bytes/s), one per device"
             )
-        base = kwargs.pop("profile", "gh200")
-        base = HardwareProfile.preset(base) if isinstance(base, str) else base
         distinct = sorted(set(bws))
         profiles = [
             dataclasses.replace(base, name=f"{base.name}@{b / 1e9:g}GB/s", link_bandwidth=b)
@@ -239,7 +258,7 @@ class ShardedDecoder:
         dec = _PerDeviceDecoder(
             local_model, local_cache, self.placement, profile=profiles[0], **kwargs
         )
-        return dec._with_siblings(siblings, index, self.mesh.shape[MODEL])
+        return dec._with_siblings(siblings, index, self.mesh.shape[MODEL], self.shared_link)
 
     # ---- placement on the mesh --------------------------------------------------------------
 

@@ -24,6 +24,7 @@ def main() -> int:
     ap.add_argument("--mesh", default="4,2", help="data,model")
     ap.add_argument("--stagger", type=int, default=1)
     ap.add_argument("--link-gbps", default=None, help="per-device link GB/s, comma separated")
+    ap.add_argument("--shared-link", default=None, choices=("data", "model"))
     args = ap.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -68,6 +69,7 @@ def main() -> int:
         stagger=args.stagger,
         max_new_tokens=new,
         link_bandwidths=bws,
+        shared_link=args.shared_link,
         profile="h200-pcie",
     )
     sp = dec.shard_params(params)

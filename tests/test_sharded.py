@@ -91,6 +91,17 @@ def test_each_device_prices_its_own_link():
         assert reads.any() and (lat[slow][reads] > lat[fast][reads]).all()
 
 
+def test_a_shared_link_carries_the_groups_bytes(exact_lru):
+    """shared_link="model": the two model shards of a data row read over one link, so each
+    one's modeled step is never faster than with a link of its own, and slower wherever the
+    step reads host blocks (exact LRU: the same reads, so the same host bytes either way)."""
+    r = _worker("mesh", "--policy", "lru", "--attention", "exact", "--shared-link", "model")
+    own, shared = np.asarray(exact_lru["latency"]), np.asarray(r["latency"])
+    np.testing.assert_array_equal(np.asarray(r["host_bytes"]), np.asarray(exact_lru["host_bytes"]))
+    assert r["tokens"] == r["reference"]
+    assert (shared >= own).all() and (shared > own).any()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
@@ -183,6 +194,8 @@ def test_bad_arguments_are_refused_up_front(tiny):
         sharded.ShardedDecoder(model, unpinned, pl, mesh=mesh, max_new_tokens=4)
     with pytest.raises(ValueError, match="mesh must be a Mesh"):
         sharded.ShardedDecoder(model, cfg, pl, mesh=None, max_new_tokens=4)
+    with pytest.raises(ValueError, match="shared_link='x'"):
+        sharded.ShardedDecoder(model, cfg, pl, mesh=mesh, shared_link="x")
     with pytest.raises(ValueError, match="expected 1 positive bandwidths"):
         sharded.ShardedDecoder(model, cfg, pl, mesh=mesh, link_bandwidths=[1e9, 2e9])
     dec = sharded.ShardedDecoder(model, cfg, pl, mesh=mesh, max_new_tokens=4)
