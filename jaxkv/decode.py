@@ -375,13 +375,12 @@ class Decoder:
         room = state.sampling.step < self.max_new_tokens - 1
         return ~state.sampling.done & (state.cache.lengths < c.max_len) & room
 
-    def _either_step(self, params, state: DecodeState) -> DecodeState:
+    def _either_step(self, params, state: DecodeState, with_logits: bool = False):
         """`window_step` when this step ends the window, else `decode_step` (one branch)."""
-        pl = state.placement
         return jax.lax.cond(
-            pl.since_plan + 1 >= pl.window,
-            lambda s: self._step_impl(params, s, plan=True),
-            lambda s: self._step_impl(params, s, plan=False),
+            _window_due(state),
+            lambda s: self._step_impl(params, s, plan=True, with_logits=with_logits),
+            lambda s: self._step_impl(params, s, plan=False, with_logits=with_logits),
             state,
         )
 
@@ -396,7 +395,7 @@ class Decoder:
         c = self.cache_config
         L = c.num_layers
         active = self._active(state)
-        due = state.placement.since_plan + 1 >= state.placement.window
+        due = _window_due(state)
         logits, cache, reads, fol = self._run_layers(params, state, active)
         promoted = demoted = jnp.zeros((L,), jnp.int32)
         if self.follows:  # the layers' follow moves, all at once, from the blocks they fetched
@@ -420,12 +419,7 @@ class Decoder:
     def _score_impl(self, params, state: DecodeState, tokens):
         def body(s: DecodeState, tok):
             s = replace(s, sampling=replace(s.sampling, last=tok))
-            return jax.lax.cond(
-                s.placement.since_plan + 1 >= s.placement.window,
-                lambda x: self._step_impl(params, x, plan=True, with_logits=True),
-                lambda x: self._step_impl(params, x, plan=False, with_logits=True),
-                s,
-            )
+            return self._either_step(params, s, with_logits=True)
 
         return jax.lax.scan(body, state, tokens.T)
 
@@ -587,6 +581,11 @@ class Decoder:
             return (s.sampling.step < until) & ~jnp.all(s.sampling.done) & ~full
 
         return jax.lax.while_loop(cond, lambda s: self._either_step(params, s), state)
+
+
+def _window_due(state: DecodeState):
+    """[] bool: this step ends the window."""
+    return state.placement.since_plan + 1 >= state.placement.window
 
 
 def _merge(graphdef, params):
