@@ -25,9 +25,19 @@ Layout of the computation (Hopper, `plgpu.kernel`, one warpgroup per program):
     kernel's WGMMA work (three products, twice the bytes per element) plus the split; fp32
     tiles are smaller (`paging.default_tile`) so that the pipeline still fits the SMEM
     budget.
+  * fp8 (float8_e4m3fn) pools with per-(slot, kv head) fp32 scales: the fp8 tiles are
+    TMA-loaded as they are (half the HBM bytes of bf16), converted in registers to the WGMMA
+    dtype (q's; e4m3 values are exact in bf16 and fp16) into one SMEM buffer, as fp32's split,
+    and the scales are folded into the products, not into K/V: the logits of block j's columns
+    are multiplied by its k_scale (times the softmax scale), p's columns by its v_scale relative
+    to the tile's largest (the softmax normaliser takes the unscaled p), and the tile's p @ V by
+    that largest. The wrapper gathers the listed blocks' scales (`paging.plan_scales`, XLA,
+    tiny), which each program copies into SMEM beside its block list. fp32 q with fp8 pools
+    runs q and p as bf16 (hi, lo) against the one exact bf16 K / V part: two products each.
   * Each program writes a partial (out, lse); `merge_partials` (XLA, small) combines the
     splits by log-sum-exp.
-Inputs: bf16 / fp16 / fp32; block_size and head_dim multiples of 16.
+Inputs: bf16 / fp16 / fp32 q; pools of q's dtype or float8_e4m3fn with scales; block_size and
+head_dim multiples of 16.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.blocked_attention_ref import blocked_attention_reference, merge_partials
 from pallas_kernels.common import (
     BF16X3,
     SPLIT_LAYOUT,
@@ -57,13 +68,21 @@ from pallas_kernels.paging import (
     meta_row_len,
     pipeline_stages,
     plan_blocks,
+    plan_scales,
     runs_bf16x3,
+    scale_row_len,
     split_sizes,
     tile_blocks,
-    token_ranges,
 )
 
 _ROWS = ROWS
+__all__ = [
+    "BlockSizes",
+    "blocked_attention",
+    "blocked_attention_kernel",
+    "blocked_attention_reference",
+    "merge_partials",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +132,10 @@ def blocked_attention_kernel(
     meta_barrier,  # Barrier
     k_barriers,  # Barrier[num_stages], blocks_per_step arrivals each
     v_barriers,  # Barrier[num_stages], blocks_per_step arrivals each
-    kv_split=None,  # [2, tile, head_dim] bf16 (hi, lo) of the fp32 K or V tile; fp32 only
+    kv_split=None,  # [kv_parts, tile, head_dim] mma dtype: bf16 (hi, lo) of an fp32 K or V
+    # tile (kv_parts=2), or an fp8 tile converted to q_smem's dtype (kv_parts=1); else None
+    scales_ref=None,  # [batch, splits, kv_heads, 3 * L] f32 (`paging.plan_scales`); fp8 only
+    scales_smem=None,  # [3 * L] f32: k scales, relative v scales, per-tile v scales; fp8 only
     *,
     block_size: int,
     head_dim: int,
@@ -124,20 +146,27 @@ def blocked_attention_kernel(
     softcap: float | None,
     multi_layer: bool,
     optimized_split_load: bool = True,
+    scale_len: int = 0,
 ):
     """One (split, kv head, batch row): online softmax over its chunk of attended blocks.
 
     Each step handles a tile of blocks_per_step blocks (tile = blocks_per_step * block_size
     tokens) so that small blocks still give WGMMA-sized tiles and few loop iterations. With
     `kv_split` (fp32 inputs) every product is bf16x3 over (hi, lo) parts; `optimized_split_load`
-    False lets Mosaic GPU load the fp32 tile with bank conflicts (head_dim not a multiple of
-    32: it finds no conflict-free plan for a 64-byte swizzle).
+    False lets Mosaic GPU load the fp32 (or fp8) tile with bank conflicts (a 64-byte or
+    narrower swizzle: it finds no conflict-free plan). With `scales_smem` (fp8 pools, each
+    section `scale_len` words) the K / V tiles are converted through `kv_split` and the
+    scales folded into the products (module docstring); `scale` is then in the k scales.
     """
     split = lax.axis_index("split")
     head = lax.axis_index("kv_head")
     row = lax.axis_index("batch")
     mma_dtype = q_smem.dtype  # bf16 for fp32 inputs
-    pairs = BF16X3 if kv_split is not None else ((0, 0),)
+    fp8 = scales_smem is not None
+    if fp8:  # (q or p part, K or V part): q, p parts against the one exact K / V part
+        pairs = tuple((a, 0) for a in reversed(range(q_smem.shape[0])))
+    else:
+        pairs = BF16X3 if kv_split is not None else ((0, 0),)
     # k_smem, v_smem: [num_stages, tile, head_dim]; o_smem: [64, head_dim] f32;
     # l_smem: [64] f32. The output buffers reuse the K/V buffers' SMEM: they are written only
     # after the last K/V block has been waited for and consumed.
@@ -151,6 +180,13 @@ def blocked_attention_kernel(
         meta_barrier,
         oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
     )
+    if fp8:  # the second arrival on meta_barrier
+        plgpu.copy_gmem_to_smem(
+            scales_ref.at[row, split, head],
+            scales_smem,
+            meta_barrier,
+            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
+        )
     for part in range(q_smem.shape[0]):  # one 2-D copy each: TMA takes at most 5 tiled dims
         plgpu.copy_gmem_to_smem(q_ref.at[row, head, part], q_smem.at[part], q_barrier)
     plgpu.barrier_wait(meta_barrier)
@@ -187,12 +223,28 @@ def blocked_attention_kernel(
     def operand(ref, buf):  # the WGMMA operand parts of stage `buf` of K or V
         if kv_split is None:
             return (ref.at[buf],)
-        # fp32: the (hi, lo) split through registers. The loop step's previous products have
-        # completed (their accumulators were read), so kv_split is free.
+        # fp32: the (hi, lo) split through registers; fp8: the conversion. The loop step's
+        # previous products have completed (their accumulators were read), so kv_split is free.
         x = plgpu.load(ref.at[buf], layout=SPLIT_LAYOUT, optimized=optimized_split_load)
+        if fp8:
+            # e4m3 -> f16 is exact and native; Mosaic GPU converts e4m3 -> bf16 directly only
+            # from PTX ISA 9.2 (f16 -> bf16 goes through f32, exact too).
+            kv_split[0] = x.astype(jnp.float16).astype(mma_dtype)
+            plgpu.commit_smem()
+            return (kv_split.at[0],)
         kv_split[0], kv_split[1] = split_bf16(x)
         plgpu.commit_smem()
         return kv_split.at[0], kv_split.at[1]
+
+    def column_scales(i, section):
+        # [64, tile] f32 (or a scalar for one block a tile): each column's scale, that of its
+        # block of tile i, from `section` (0: k, 1: relative v) of the program's scales.
+        base = section * scale_len + i * blocks_per_step
+        col = plgpu.broadcasted_iota(jnp.int32, (_ROWS, tile), 1, layout=plgpu.Layout.WGMMA)
+        out = scales_smem[base + blocks_per_step - 1]
+        for j in reversed(range(blocks_per_step - 1)):
+            out = jnp.where(col < (j + 1) * block_size, scales_smem[base + j], out)
+        return out
 
     def step(i, carry):
         acc, m_i, l_i = carry
@@ -206,7 +258,8 @@ def blocked_attention_kernel(
             return acc_ref[...]
 
         s = pl.run_scoped(qk_product, plgpu.ACC((_ROWS, tile), jnp.float32))
-        s = s * scale
+        # fp8: each column's k_scale (times `scale`), before the soft-cap
+        s = s * column_scales(i, 0) if fp8 else s * scale
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
         col = plgpu.broadcasted_iota(jnp.int32, (_ROWS, tile), 1, layout=plgpu.Layout.WGMMA)
@@ -227,10 +280,11 @@ def blocked_attention_kernel(
         p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
         l_i = l_i * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        if kv_split is None:
-            p_smem[0] = p.astype(mma_dtype)
+        pv_in = p * column_scales(i, 1) if fp8 else p  # l_i above takes the unscaled p
+        if q_smem.shape[0] == 1:
+            p_smem[0] = pv_in.astype(mma_dtype)
         else:
-            p_smem[0], p_smem[1] = split_bf16(p)
+            p_smem[0], p_smem[1] = split_bf16(pv_in)
         plgpu.commit_smem()
         plgpu.barrier_wait(v_barriers.at[buf])
         v_parts = operand(v_smem, buf)
@@ -242,7 +296,8 @@ def blocked_attention_kernel(
 
         # A fresh accumulator plus a register add, not pl.run_state(ACC.init(acc)): the GPU
         # interpreter does not implement run_state, and the add is free next to the loads.
-        acc = acc + pl.run_scoped(pv_product, plgpu.ACC((_ROWS, head_dim), jnp.float32))
+        pv = pl.run_scoped(pv_product, plgpu.ACC((_ROWS, head_dim), jnp.float32))
+        acc = acc + (pv * scales_smem[2 * scale_len + i] if fp8 else pv)  # the tile's v_scale
         # Both products have completed (their accumulators were read), so `buf` is free.
         nxt = i + num_stages
         pl.when(nxt < num_steps)(functools.partial(fetch, nxt, buf))
@@ -260,24 +315,6 @@ def blocked_attention_kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
-def merge_partials(out, lse):
-    """Merges partial results along axis 0 by log-sum-exp.
-
-    Args:
-      out: [parts, ...rows, head_dim] float32, each part normalised over its own tokens.
-      lse: [parts, ...rows] float32; -inf for a part with nothing attended.
-
-    Returns:
-      (out [...rows, head_dim], lse [...rows]); rows empty in every part give 0 and -inf.
-    """
-    m = lse.max(axis=0)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.exp(lse - m_safe)  # 0 for empty parts
-    total = w.sum(axis=0)
-    merged = (w[..., None] * out).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
-    return merged, jnp.where(total > 0, m_safe + jnp.log(total), -jnp.inf)
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "block_sizes", "interpret"))
 def _blocked_attention(
     q,
@@ -288,6 +325,8 @@ def _blocked_attention(
     lengths,
     layer,
     starts=None,
+    k_scale=None,
+    v_scale=None,
     *,
     scale,
     softcap,
@@ -302,7 +341,12 @@ def _blocked_attention(
     layer = jnp.clip(layer, 0, k_pool.shape[0] - 1) if multi_layer else 0
     max_blocks = block_table.shape[1]
     group = q_heads // kv_heads
-    step = tile_blocks(block_sizes.blocks_per_step, block_size, max_blocks, q.dtype, head_dim)
+    dtype = q.dtype  # the compute dtype
+    kv_dtype = k_pool.dtype  # q's, or float8_e4m3fn with k_scale / v_scale
+    fp8 = k_scale is not None
+    step = tile_blocks(
+        block_sizes.blocks_per_step, block_size, max_blocks, dtype, head_dim, kv_dtype
+    )
     num_splits, per_split = split_sizes(
         batch,
         kv_heads,
@@ -322,23 +366,35 @@ def _blocked_attention(
         per_split=per_split,
         starts=starts,
     )
-    dtype = q.dtype
     split = runs_bf16x3(dtype)
     mma_dtype = jnp.bfloat16 if split else dtype  # what the WGMMAs read
+    # K / V tiles that reach the WGMMAs through registers: fp32 split, fp8 converted
+    through_registers = split or fp8
     q_rows = q.reshape(batch, kv_heads, group, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, _ROWS - group), (0, 0)))
     # [batch, kv_heads, parts, 64, head_dim]: q, or bf16 (hi, lo) of fp32 q
     q_rows = jnp.stack(split_bf16(q_rows), axis=2) if split else q_rows[:, :, None]
     tile = step * block_size
     pv_swizzle = min(_swizzle(tile, mma_dtype), _swizzle(head_dim, mma_dtype))
-    # fp32: q and the split K / V tile share one swizzle (the split buffer is a WGMMA operand
-    # of both products); the fp32 stages are read only through registers.
-    qk_swizzle = pv_swizzle if split else None
+    # fp32 / fp8: q and the split or converted K / V tile share one swizzle (that buffer is a
+    # WGMMA operand of both products); the fp32 / fp8 stages are read only through registers.
+    qk_swizzle = pv_swizzle if through_registers else None
     meta_len = meta_row_len(per_split)
+    scale_len = scale_row_len(per_split) if fp8 else 0
     num_stages = pipeline_stages(
-        block_sizes.num_stages, per_split // step, tile, head_dim, dtype, meta_len
+        block_sizes.num_stages,
+        per_split // step,
+        tile,
+        head_dim,
+        dtype,
+        meta_len + 3 * scale_len,
+        kv_dtype,
     )
     parts = q_rows.shape[2]
+    # K / V stages: swizzled, or plain for fp8 rows under 32 bytes (TMA swizzles >= 32 bytes;
+    # the stages are then read only through registers)
+    plain = _swizzle(head_dim, kv_dtype) < 32
+    kv_transforms = () if plain else _smem_2d_transforms(head_dim, kv_dtype)
 
     body = functools.partial(
         blocked_attention_kernel,
@@ -350,17 +406,26 @@ def _blocked_attention(
         scale=scale,
         softcap=softcap,
         multi_layer=multi_layer,
-        optimized_split_load=_swizzle(head_dim, dtype) == 128,
+        optimized_split_load=_swizzle(head_dim, kv_dtype) == 128,
     )
-    split_scratch = []
-    if split:
-        split_scratch.append(
+    inputs = (q_rows, k_pool, v_pool, meta)
+    extra_scratch = []
+    if through_registers:
+        extra_scratch.append(
             plgpu.SMEM(
-                (2, tile, head_dim),
+                (1 if fp8 else 2, tile, head_dim),
                 mma_dtype,
                 transforms=_smem_2d_transforms(head_dim, mma_dtype, pv_swizzle),
             )
         )
+    if fp8:
+        # [batch, splits, kv_heads, 3 * scale_len] f32; the kernel takes it after `meta` and
+        # its SMEM copy after the split buffer
+        inputs += (
+            plan_scales(meta, k_scale, v_scale, layer, per_split=per_split, step=step, scale=scale),
+        )
+        extra_scratch.append(plgpu.SMEM((3 * scale_len,), jnp.float32))
+        body = functools.partial(_scaled_kernel, functools.partial(body, scale_len=scale_len))
     out_p, lse_p = plgpu.kernel(
         body,
         out_type=(
@@ -375,19 +440,15 @@ def _blocked_attention(
             ),
             plgpu.RefUnion(
                 (
-                    plgpu.SMEM(
-                        (num_stages, tile, head_dim),
-                        dtype,
-                        transforms=_smem_2d_transforms(head_dim, dtype),
-                    ),
+                    plgpu.SMEM((num_stages, tile, head_dim), kv_dtype, transforms=kv_transforms),
                     # V and P are the B and A operands of one WGMMA: they must share a
                     # swizzle that fits both P's rows (tile) and V's (head_dim).
                     plgpu.SMEM(
                         (num_stages, tile, head_dim),
-                        dtype,
-                        transforms=_smem_2d_transforms(
-                            head_dim, dtype, None if split else pv_swizzle
-                        ),
+                        kv_dtype,
+                        transforms=kv_transforms
+                        if through_registers
+                        else _smem_2d_transforms(head_dim, kv_dtype, pv_swizzle),
                     ),
                 ),
                 (
@@ -406,21 +467,29 @@ def _blocked_attention(
             ),
             plgpu.SMEM((meta_len,), jnp.int32),
             plgpu.Barrier(num_arrivals=parts),
-            plgpu.Barrier(num_arrivals=1),
+            plgpu.Barrier(num_arrivals=2 if fp8 else 1),  # meta (and the scales)
             plgpu.Barrier(num_arrivals=step, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=step, num_barriers=num_stages),
-            *split_scratch,
+            *extra_scratch,
         ],
         grid=(num_splits, kv_heads, batch),
         grid_names=("split", "kv_head", "batch"),
         compiler_params=compiler_params(),
         interpret=_interpret_params(interpret),
-    )(q_rows, k_pool, v_pool, meta)
+    )(*inputs)
     out_p = out_p[:, :, :, :group].reshape(num_splits, batch, q_heads, head_dim)
     lse_p = lse_p[:, :, :, :group].reshape(num_splits, batch, q_heads)
     if num_splits == 1:
         return out_p[0], lse_p[0]
     return merge_partials(out_p, lse_p)
+
+
+def _scaled_kernel(kernel, q_ref, k_ref, v_ref, meta_ref, scales_ref, out_ref, lse_ref, *scratch):
+    """`kernel` (a partial of `blocked_attention_kernel`) with the fp8 scales: the inputs end
+    with `scales_ref`, the scratch with the converted K / V tile and the scales' SMEM."""
+    *scratch, kv_conv, scales_smem = scratch
+    refs = (q_ref, k_ref, v_ref, meta_ref, out_ref, lse_ref, *scratch, kv_conv)
+    kernel(*refs, scales_ref=scales_ref, scales_smem=scales_smem)
 
 
 def blocked_attention(
@@ -437,16 +506,20 @@ def blocked_attention(
     interpret: bool | None = None,
     layer=None,
     starts=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Decode attention of one query token per row over a paged KV pool (Mosaic GPU kernel).
 
     Args:
       q: [batch, q_heads, head_dim] bf16, fp16 or fp32 (fp32 runs as bf16x3 products with
-        fp32 accumulation: ~2^-16 relative per operand, see the module docstring).
-      k_pool: [slots, block_size, kv_heads, head_dim], q's dtype; block_size and head_dim
-        multiples of 16, head_dim at most 256 (fp32 tiles must fit SMEM: block_size up to 32
-        at head_dim 256, 80 at 128, 176 at 64; a ValueError otherwise). Or the whole
-        [layers, slots, ...] pool with `layer` given: the kernel reads that layer in place.
+        fp32 accumulation: ~2^-16 relative per operand, see the module docstring); the compute
+        dtype.
+      k_pool: [slots, block_size, kv_heads, head_dim], q's dtype, or float8_e4m3fn with
+        `k_scale` / `v_scale`; block_size and head_dim multiples of 16, head_dim at most 256
+        (fp32 tiles must fit SMEM: block_size up to 32 at head_dim 256, 80 at 128, 176 at 64; a
+        ValueError otherwise). Or the whole [layers, slots, ...] pool with `layer` given: the
+        kernel reads that layer in place.
       v_pool: same shape and dtype as k_pool.
       block_table: [batch, max_blocks] int32 slot of each logical block; entries whose
         block_mask is False are never read (they may be out of range).
@@ -463,19 +536,39 @@ def blocked_attention(
       starts: [batch] int32 first attended token per row (a sliding window: lengths - window,
         clipped at 0), or None for 0. Blocks wholly before it are never loaded; the boundary
         block is masked token by token.
+      k_scale, v_scale: None (both), or for float8_e4m3fn pools float32 of shape
+        `k_pool.shape[:-3] + (kv_heads,)` ([slots, kv_heads], or [layers, slots, kv_heads]
+        with `layer`): key t of slot s, kv head h is k_pool[(layer,) s, t, h] * k_scale[
+        (layer,) s, h] (in fp32), values likewise. The kernel reads the fp8 bytes and folds the
+        scales into its products (module docstring).
 
     Returns:
       out [batch, q_heads, head_dim] float32 and lse [batch, q_heads] float32 (natural log);
       rows with nothing attended give out = 0 and lse = -inf.
     """
     check_inputs(
-        q, k_pool, v_pool, block_table, block_mask, lengths, layer, kernel=True, starts=starts
+        q,
+        k_pool,
+        v_pool,
+        block_table,
+        block_mask,
+        lengths,
+        layer,
+        kernel=True,
+        starts=starts,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     head_dim = q.shape[-1]
     block_sizes = block_sizes or BlockSizes()
     # Validates the tile.
     tile_blocks(
-        block_sizes.blocks_per_step, k_pool.shape[-3], block_table.shape[1], q.dtype, head_dim
+        block_sizes.blocks_per_step,
+        k_pool.shape[-3],
+        block_table.shape[1],
+        q.dtype,
+        head_dim,
+        k_pool.dtype,
     )
     return _blocked_attention(
         q,
@@ -486,102 +579,10 @@ def blocked_attention(
         lengths,
         None if layer is None else jnp.asarray(layer, jnp.int32),
         starts,
+        k_scale,
+        v_scale,
         scale=float(1.0 / math.sqrt(head_dim) if scale is None else scale),
         softcap=None if softcap is None else float(softcap),
         block_sizes=block_sizes,
         interpret=interpret,
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "softcap", "return_block_lse"))
-def _blocked_attention_reference(
-    q,
-    k_pool,
-    v_pool,
-    block_table,
-    block_mask,
-    lengths,
-    layer,
-    starts=None,
-    *,
-    scale,
-    softcap,
-    return_block_lse=False,
-):
-    batch, q_heads, head_dim = q.shape
-    num_slots, block_size, kv_heads, _ = k_pool.shape[-4:]
-    max_blocks = block_table.shape[1]
-    first, ntok = token_ranges(block_mask, lengths, block_size, starts)  # [batch, max_blocks]
-    t = jnp.arange(block_size)[None, None, :]
-    valid = (t >= first[:, :, None]) & (t < ntok[:, :, None])  # [batch, blocks, bs]
-    valid = valid.reshape(batch, max_blocks * block_size)
-    slots = jnp.where(ntok > 0, jnp.clip(block_table, 0, num_slots - 1), 0)
-    if k_pool.ndim == 5:  # one gather of the needed blocks, not a copy of the layer
-        layer = jnp.clip(layer, 0, k_pool.shape[0] - 1)
-        k, v = k_pool[layer, slots], v_pool[layer, slots]
-    else:
-        k, v = k_pool[slots], v_pool[slots]
-    k = k.reshape(batch, max_blocks * block_size, kv_heads, head_dim)
-    v = v.reshape(batch, max_blocks * block_size, kv_heads, head_dim)
-    qg = q.reshape(batch, kv_heads, q_heads // kv_heads, head_dim).astype(jnp.float32)
-    s = jnp.einsum("bhgd,bthd->bhgt", qg, k.astype(jnp.float32)) * scale
-    if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
-    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m_safe)
-    total = p.sum(axis=-1)
-    out = jnp.einsum("bhgt,bthd->bhgd", p, v.astype(jnp.float32))
-    out = out / jnp.where(total > 0, total, 1.0)[..., None]
-    lse = jnp.where(total > 0, m_safe[..., 0] + jnp.log(total), -jnp.inf)
-    out, lse = out.reshape(batch, q_heads, head_dim), lse.reshape(batch, q_heads)
-    if not return_block_lse:
-        return out, lse
-    # per-block log-sum-exp, for attention-mass statistics: [batch, q_heads, max_blocks]
-    pb = p.reshape(*p.shape[:-1], max_blocks, block_size).sum(axis=-1)
-    block_lse = jnp.where(pb > 0, m_safe + jnp.log(jnp.where(pb > 0, pb, 1.0)), -jnp.inf)
-    return out, lse, block_lse.reshape(batch, q_heads, max_blocks)
-
-
-def blocked_attention_reference(
-    q,
-    k_pool,
-    v_pool,
-    block_table,
-    block_mask,
-    lengths,
-    *,
-    scale: float | None = None,
-    softcap: float | None = None,
-    block_sizes: BlockSizes | None = None,
-    interpret: bool | None = None,
-    layer=None,
-    starts=None,
-    return_block_lse: bool = False,
-):
-    """Pure-jnp `blocked_attention` (gather + masked softmax, fp32); any block size, fp32 too.
-
-    Same arguments and results as `blocked_attention`; `block_sizes` and `interpret` are
-    accepted for a uniform signature and ignored. With `return_block_lse=True` it also returns
-    block_lse [batch, q_heads, max_blocks] f32, each attended block's log-sum-exp (-inf where
-    nothing is attended), so exp(block_lse - lse) is the block's share of the attention.
-    """
-    del block_sizes, interpret
-    check_inputs(
-        q, k_pool, v_pool, block_table, block_mask, lengths, layer, kernel=False, starts=starts
-    )
-    head_dim = q.shape[-1]
-    return _blocked_attention_reference(
-        q,
-        k_pool,
-        v_pool,
-        block_table,
-        block_mask,
-        lengths,
-        None if layer is None else jnp.asarray(layer, jnp.int32),
-        starts,
-        scale=float(1.0 / math.sqrt(head_dim) if scale is None else scale),
-        softcap=None if softcap is None else float(softcap),
-        return_block_lse=return_block_lse,
     )

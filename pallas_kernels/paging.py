@@ -11,12 +11,29 @@ MAX_BLOCKS_PER_SPLIT = 1024
 SMEM_BUDGET = 200 * 1024  # of 227 KiB per block on Hopper, leaving room for barriers
 # The kernel and the reference take the same dtypes; the kernel runs fp32 as bf16x3 products.
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+# Quantized pools (with per-(slot, kv head) float32 scales); q keeps one of SUPPORTED_DTYPES.
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
 def check_inputs(
-    q, k_pool, v_pool, block_table, block_mask, lengths, layer, *, kernel: bool, starts=None
+    q,
+    k_pool,
+    v_pool,
+    block_table,
+    block_mask,
+    lengths,
+    layer,
+    *,
+    kernel: bool,
+    starts=None,
+    k_scale=None,
+    v_scale=None,
 ):
-    """Static validation shared by the kernel and the reference (ValueError naming values)."""
+    """Static validation shared by the kernel and the reference (ValueError naming values).
+
+    Pools are q's dtype, or float8_e4m3fn with `k_scale` / `v_scale` (float32
+    `k_pool.shape[:-3] + (kv_heads,)`, per (slot, kv head)); see `check_scales`.
+    """
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
     if k_pool.ndim not in (4, 5):
@@ -43,7 +60,8 @@ def check_inputs(
         raise ValueError(
             f"q dtype {q.dtype} unsupported; expected one of {[str(d) for d in SUPPORTED_DTYPES]}"
         )
-    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+    scaled = check_scales(k_pool, v_pool, k_scale, v_scale)
+    if not scaled and (k_pool.dtype != q.dtype or v_pool.dtype != q.dtype):
         raise ValueError(
             f"k_pool/v_pool dtypes {k_pool.dtype}/{v_pool.dtype} must equal q dtype {q.dtype}"
         )
@@ -86,6 +104,34 @@ def check_inputs(
                 f"q_heads // kv_heads = {q_heads // kv_heads} unsupported by the Mosaic GPU "
                 f"kernel: at most {ROWS} query heads per kv head"
             )
+
+
+def check_scales(k_pool, v_pool, k_scale, v_scale) -> bool:
+    """True for float8_e4m3fn pools with their scales, False for unscaled pools; ValueError for
+    scales without fp8 pools, fp8 pools without scales, or scales of the wrong shape / dtype."""
+    fp8 = (jnp.dtype(k_pool.dtype) == FP8, jnp.dtype(v_pool.dtype) == FP8)
+    want = f"float32 of shape {tuple(k_pool.shape[:-3]) + (k_pool.shape[-2],)}"
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError(
+            "k_scale and v_scale must be given together (or neither): float8_e4m3fn pools "
+            f"take both, each {want} (per slot and kv head)"
+        )
+    if k_scale is None:
+        if any(fp8):
+            raise ValueError(
+                f"float8_e4m3fn k_pool/v_pool ({k_pool.dtype}/{v_pool.dtype}) need k_scale and "
+                f"v_scale, each {want} (per slot and kv head)"
+            )
+        return False
+    if not all(fp8):
+        raise ValueError(
+            f"k_scale/v_scale given with k_pool/v_pool dtypes {k_pool.dtype}/{v_pool.dtype}: "
+            "scaled pools must both be float8_e4m3fn"
+        )
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if x.dtype != jnp.float32 or x.shape != tuple(k_pool.shape[:-3]) + (k_pool.shape[-2],):
+            raise ValueError(f"{name} must be {want}, got {x.dtype} {tuple(x.shape)}")
+    return True
 
 
 def token_ranges(block_mask, lengths, block_size: int, starts=None):
@@ -159,19 +205,26 @@ def runs_bf16x3(dtype) -> bool:
     return jnp.dtype(dtype) == jnp.float32
 
 
-def default_tile(dtype, head_dim: int) -> int:
-    """Tokens per tile when blocks_per_step is not given: 64, or for fp32 as many as keep a K/V
-    stage at 32 KiB (64 / 32 / 16 at head_dim 64 / 128 / 256), so that 3-4 stages plus the
-    split buffers fit the SMEM budget."""
+def default_tile(dtype, head_dim: int, kv_dtype=None) -> int:
+    """Tokens per tile when blocks_per_step is not given (`dtype`: q's, `kv_dtype`: the pools',
+    default q's): 64, or for fp32 pools as many as keep a K/V stage at 32 KiB (64 / 32 / 16 at
+    head_dim 64 / 128 / 256), so that 3-4 stages plus the split buffers fit the SMEM budget.
+    fp8 pools: 64 / 64 / 32 at head_dim 64 / 128 / 256 (at 256 the tile converted in
+    registers next to the accumulator spills twice as much at 64 tokens; fp32 q's bf16
+    (hi, lo) q and p would also leave room for only 2 stages)."""
+    if kv_dtype is not None and jnp.dtype(kv_dtype) == FP8:
+        return min(64, 8192 // max(64, head_dim))
     if not runs_bf16x3(dtype):
         return 64
     return max(16, 4096 // max(64, head_dim))
 
 
-def tile_blocks(requested, block_size: int, max_blocks: int, dtype, head_dim: int) -> int:
+def tile_blocks(
+    requested, block_size: int, max_blocks: int, dtype, head_dim: int, kv_dtype=None
+) -> int:
     """Blocks per loop step (`requested`, or None for the default tile); ValueError if the
     tile is wider than a WGMMA."""
-    step = requested or max(1, default_tile(dtype, head_dim) // block_size)
+    step = requested or max(1, default_tile(dtype, head_dim, kv_dtype) // block_size)
     step = min(step, max(1, max_blocks))
     if step * block_size > 256:
         raise ValueError(
@@ -197,20 +250,68 @@ def split_sizes(
     return num_splits, per_split
 
 
-def pipeline_stages(requested, num_tiles, tile, head_dim, dtype, meta_len) -> int:
-    """Pipeline depth that fits the SMEM budget; ValueError if even one stage does not."""
-    isz = jnp.dtype(dtype).itemsize
-    parts, mma_isz = (2, 2) if runs_bf16x3(dtype) else (1, isz)  # fp32: q, p as bf16 (hi, lo)
-    fixed = parts * ROWS * (head_dim + tile) * mma_isz + meta_len * 4
-    if runs_bf16x3(dtype):
+def pipeline_stages(requested, num_tiles, tile, head_dim, dtype, meta_len, kv_dtype=None) -> int:
+    """Pipeline depth that fits the SMEM budget; ValueError if even one stage does not.
+
+    `dtype` is q's, `kv_dtype` the pools' (default q's); `meta_len`: 4-byte words of per-program
+    metadata in SMEM (the block list, plus the scales for fp8 pools)."""
+    kv_dtype = jnp.dtype(kv_dtype or dtype)
+    isz = kv_dtype.itemsize
+    parts, mma_isz = (2, 2) if runs_bf16x3(dtype) else (1, jnp.dtype(dtype).itemsize)
+    fixed = parts * ROWS * (head_dim + tile) * mma_isz + meta_len * 4  # fp32: bf16 (hi, lo) q, p
+    if kv_dtype == FP8:
+        fixed += tile * head_dim * mma_isz  # the K or V tile converted to the WGMMA dtype
+    elif runs_bf16x3(dtype):
         fixed += 2 * tile * head_dim * 2  # the (hi, lo) bf16 K or V tile
     out = ROWS * (head_dim + 1) * 4  # epilogue buffers, aliased with the K/V stages
     per_stage = 2 * tile * head_dim * isz
     fits = (SMEM_BUDGET - fixed) // per_stage
     if fits < 1 or SMEM_BUDGET - fixed < out:
+        pools = "" if kv_dtype == jnp.dtype(dtype) else f", {kv_dtype} pools"
         raise ValueError(
-            f"a tile of {tile} tokens with head_dim={head_dim} ({jnp.dtype(dtype)}) needs "
+            f"a tile of {tile} tokens with head_dim={head_dim} ({jnp.dtype(dtype)}{pools}) needs "
             f"{fixed + max(per_stage, out)} bytes of SMEM for one K/V stage, over the "
             f"kernel's budget of {SMEM_BUDGET}; lower block_size or blocks_per_step"
         )
     return max(1, min(requested, num_tiles, fits))
+
+
+def scale_row_len(per_split: int) -> int:
+    """Words of each of the three sections of a program's fp8 scale row (`plan_scales`)."""
+    return -(-per_split // 32) * 32  # 128-byte multiples, as `meta_row_len`
+
+
+def plan_scales(meta, k_scale, v_scale, layer, *, per_split, step, scale):
+    """The fp8 pools' scales of each program's listed blocks, for the kernel to fold into its
+    products: [batch, splits, kv_heads, 3 * L] float32 (L = `scale_row_len(per_split)`), per
+    (row, split, kv head) three sections of L:
+      * k_scale of each listed block times the softmax `scale` (0 past the list's end: the
+        kernel masks those columns);
+      * v_scale of each listed block divided by its tile's largest |v_scale| (so that p times
+        it stays <= 1 in the WGMMA dtype, fp16 included);
+      * that largest |v_scale| of each tile of `step` blocks (1 where it is 0), by which the
+        tile's p @ V product is multiplied.
+
+    Args:
+      meta: [batch, splits, meta_len] int32 from `plan_blocks` (slots at 4 : 4 + per_split).
+      k_scale, v_scale: [(layers,) slots, kv_heads] float32.
+      layer: int32 scalar (clipped) for [layers, ...] scales, else ignored.
+    """
+    slots = meta[:, :, 4 : 4 + per_split]  # [batch, splits, per_split]
+    listed = jnp.arange(per_split)[None, None, :] < meta[:, :, :1]
+    if k_scale.ndim == 3:
+        k_scale, v_scale = k_scale[layer], v_scale[layer]
+
+    def listed_scales(x):  # [batch, splits, kv_heads, per_split]
+        return jnp.moveaxis(jnp.where(listed[..., None], x[slots], 0.0), -1, 2)
+
+    ks, vs = listed_scales(k_scale) * scale, listed_scales(v_scale)
+    tiles = jnp.abs(vs).reshape(*vs.shape[:-1], per_split // step, step).max(axis=-1)
+    tiles = jnp.where(tiles > 0, tiles, 1.0)
+    vs = vs / jnp.repeat(tiles, step, axis=-1)
+    length = scale_row_len(per_split)
+
+    def pad(x):
+        return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, length - x.shape[-1])))
+
+    return jnp.concatenate([pad(ks), pad(vs), pad(tiles)], axis=-1).astype(jnp.float32)
