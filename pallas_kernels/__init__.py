@@ -2,7 +2,9 @@
 
 Modules (import the functions from them, e.g.
 `from pallas_kernels.blocked_attention import blocked_attention`):
-  blocked_attention  paged decode attention -> (out, lse); BlockSizes; merge_partials
+  blocked_attention  paged decode attention -> (out, lse), bf16 / fp16 / fp32 pools or FP8
+                     pools with per-block scales; BlockSizes; merge_partials
+  blocked_attention_ref  its pure-jnp reference (re-exported by blocked_attention)
   compaction         in-place block moves; CompactionBlockSizes; compaction_moves (dense prefix)
   host_transfer      bulk row gather / scatter over a whole (pinned_host) pool, Triton lowering
   common             hopper_available() (can the kernels compile here?), shared params
@@ -21,6 +23,20 @@ try:  # registers Pallas' fuser config option, part of every jit key, before any
 except ImportError:  # pragma: no cover - a jax without it
     pass
 
-from pallas_kernels import blocked_attention, common, compaction, host_transfer, paging
+from pallas_kernels import (
+    blocked_attention,
+    blocked_attention_ref,
+    common,
+    compaction,
+    host_transfer,
+    paging,
+)
 
-__all__ = ["blocked_attention", "common", "compaction", "host_transfer", "paging"]
+__all__ = [
+    "blocked_attention",
+    "blocked_attention_ref",
+    "common",
+    "compaction",
+    "host_transfer",
+    "paging",
+]
