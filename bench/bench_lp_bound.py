@@ -101,6 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--out", default=None, help="write the full results as JSON here")
     args = ap.parse_args(argv)
+    if args.fp8 == "age":  # the LP's HBM terms would price FP8 blocks at bf16 bytes
+        ap.error("--fp8 age: the LP bound prices HBM blocks at full precision; use off or host")
     names = args.policies.split(",")
     shown = [n for n in names if n != "unlimited"]
     dev = jax.devices()[0]

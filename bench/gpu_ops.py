@@ -133,6 +133,7 @@ def build(
     window: int = 50,
     new_tokens: int = NEW_TOKENS,
     fp8: str = "off",
+    fp8_age: int = 0,
 ):
     """(decoder, abstract params, abstract decode state after a `context`-token prefill).
 
@@ -141,7 +142,7 @@ def build(
     max_len = context + new_tokens
     model = abstract_model(layers, shape, max_len)
     mc = model.config
-    cache_cfg = cache_config(mc, batch, max_len, hbm_capacity=hbm, fp8=fp8)
+    cache_cfg = cache_config(mc, batch, max_len, hbm_capacity=hbm, fp8=fp8, fp8_age=fp8_age)
     placement = PlacementConfig(policy=policy, attention=mode, topk=topk, window=window)
     dec = Decoder(model, cache_cfg, placement, max_new_tokens=new_tokens, profile="h200-pcie")
     params = gc.abstract(nnx.split(model)[1], host=lambda p, x: False)
@@ -154,7 +155,7 @@ def build(
 
 
 def compile_cases(
-    layers, context, batch, mode, policy, *, shape, target, what, hbm=0.25, fp8="off"
+    layers, context, batch, mode, policy, *, shape, target, what, hbm=0.25, fp8="off", fp8_age=0
 ):
     """Compiles the functions in `what` ("step", "window_step", "migrate", "compact",
     "prefill") for one case.
@@ -169,6 +170,7 @@ def compile_cases(
         shape=shape,
         hbm=hbm,
         fp8=fp8,
+        fp8_age=fp8_age,
     )
     c = dec.cache_config
     out = {}

@@ -8,7 +8,10 @@ two partial results by log-sum-exp. On the XLA path each part touches only the b
 the HBM part gathers each sequence's selected HBM blocks compacted to the front
 (`compact_ids`), the host part reads the staging pool in place (`attend_compact`); the Pallas
 kernel reads the pools in place through the block table. Placement never changes what is
-attended, only where it is read from.
+attended, only where it is read from. Under `CacheConfig(fp8="age")` the HBM pool holds FP8
+blocks (dequantized after the gather on the XLA path, inside the kernel on the Pallas path) and a
+third part reads each sequence's recent blocks from the full-precision ring
+(`cache_layout.ring_window`); the three partials merge the same way.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ import jax.numpy as jnp
 
 from jaxkv._pytree import pytree_dataclass
 from jaxkv.cache import TieredKVCache
+from jaxkv.cache_layout import read_hbm as read_hbm_blocks
 from jaxkv.cache_layout import read_host as read_host_blocks
+from jaxkv.cache_layout import ring_ids, ring_window
 from jaxkv.config import TIER_HBM, TIER_HOST, PlacementConfig
 from jaxkv.transfer import rows_of
 from pallas_kernels.blocked_attention import (
     blocked_attention,
-    blocked_attention_reference,
     merge_partials,
 )
 from pallas_kernels.common import hopper_available
@@ -38,7 +42,7 @@ PALLAS_MEASURED_FASTER = False  # "auto" takes the kernel only when True; unmeas
 class AttentionStats:
     """What one layer's attention read, per logical block."""
 
-    read_hbm: jax.Array  # [batch, max_blocks] bool: read from HBM (tail included)
+    read_hbm: jax.Array  # [batch, max_blocks] bool: read from HBM (tail and fp8 ring included)
     read_host: jax.Array  # [batch, max_blocks] bool: read from host memory
     mass: jax.Array  # [batch, max_blocks] float32: attention probability summed over q heads
 
@@ -243,25 +247,15 @@ def resolve_impl(impl: str, config) -> str:
     return impl
 
 
-def _attend(impl, q, k_pool, v_pool, table, mask, lengths, scale, layer=None, starts=None):
-    """(out, lse, block_lse or None) of one tier's part."""
-    if impl == "pallas":
-        out, lse = blocked_attention(
-            q, k_pool, v_pool, table, mask, lengths, scale=scale, layer=layer, starts=starts
-        )
-        return out, lse, None
-    return blocked_attention_reference(
-        q,
-        k_pool,
-        v_pool,
-        table,
-        mask,
-        lengths,
-        scale=scale,
-        layer=layer,
-        starts=starts,
-        return_block_lse=True,
-    )
+def _kernel_part(q, k_pool, v_pool, table, mask, lengths, scale, layer=None, starts=None, fp8=None):
+    """(out, lse, None) of one part read by the Pallas kernel; `fp8`: the FP8 pools' (k, v)
+    scales, or None."""
+    ks, vs = (None, None) if fp8 is None else fp8
+    out, lse = blocked_attention(
+        q, k_pool, v_pool, table, mask, lengths, scale=scale, layer=layer, starts=starts,
+        k_scale=ks, v_scale=vs,
+    )  # fmt: skip
+    return out, lse, None
 
 
 def tiered_attention(
@@ -311,54 +305,61 @@ def tiered_attention(
     if selected is None:
         selected = select_blocks(q, cache, layer, lengths, placement, window=window)
     tier = cache.tier[layer]
-    read_hbm = selected & (tier == TIER_HBM)
-    read_host = selected & (tier == TIER_HOST)
+    in_ring = ring_window(c, cache.lengths)  # all False but under fp8="age"
+    read_ring = selected & in_ring
+    read_pool = selected & (tier == TIER_HBM) & ~in_ring
+    read_host = selected & (tier == TIER_HOST) & ~in_ring
     slot = cache.slot[layer]
     n_stage = staging_blocks(placement, c.max_blocks)
     scale_f = float(1.0 / math.sqrt(D) if scale is None else scale)
+    lay = jnp.clip(jnp.asarray(layer, jnp.int32), 0, c.num_layers - 1)
+    parts = []
     with jax.named_scope("hbm_part"):
         if impl == "pallas":
-            out_h, lse_h, blse_h = _attend(
-                impl,
-                q,
-                cache.hbm_k,
-                cache.hbm_v,
-                slot,
-                read_hbm,
-                lengths,
-                scale,
-                layer=layer,
-                starts=starts,
-            )
+            fp8 = (cache.hbm_ks, cache.hbm_vs) if c.fp8_in("hbm") else None
+            pool = (cache.hbm_k, cache.hbm_v, slot, read_pool)
+            parts.append(_kernel_part(q, *pool, lengths, scale, lay, starts, fp8))
         else:  # gather only the blocks this part reads (at most min(M, HBM slots) each)
-            ids_h = compact_ids(read_hbm, max(1, min(c.max_blocks, c.hbm_blocks)))
+            ids_h = compact_ids(read_pool, max(1, min(c.max_blocks, c.hbm_blocks)))
             at = jnp.take_along_axis(slot, jnp.maximum(ids_h, 0), axis=1)
-            at = jnp.clip(at, 0, c.hbm_blocks - 1)
-            lay = jnp.clip(jnp.asarray(layer, jnp.int32), 0, c.num_layers - 1)
-            kh, vh = cache.hbm_k[lay, at], cache.hbm_v[lay, at]
-            out_h, lse_h, blse_h = attend_compact(
-                q, kh, vh, ids_h, lengths, scale_f, c.max_blocks, starts
-            )
+            kh, vh = read_hbm_blocks(cache, lay, jnp.clip(at, 0, c.hbm_blocks - 1))
+            parts.append(attend_compact(q, kh, vh, ids_h, lengths, scale_f, c.max_blocks, starts))
+    if c.ring_blocks:  # fp8="age": the recent blocks, at full precision, laid out per sequence
+        with jax.named_scope("ring_part"):
+            W = c.ring_blocks
+            if impl == "pallas":
+                flat = (c.num_layers, c.batch * W, *cache.ring_k.shape[3:])
+                table = jnp.arange(c.batch, dtype=jnp.int32)[:, None] * W + (
+                    jnp.arange(c.max_blocks, dtype=jnp.int32)[None] % W
+                )
+                ring = (cache.ring_k.reshape(flat), cache.ring_v.reshape(flat), table, read_ring)
+                parts.append(_kernel_part(q, *ring, lengths, scale, lay, starts))
+            else:
+                ids_r = ring_ids(c, cache.lengths, read_ring)
+                kr, vr = cache.ring_k[lay], cache.ring_v[lay]
+                parts.append(
+                    attend_compact(q, kr, vr, ids_r, lengths, scale_f, c.max_blocks, starts)
+                )
     with jax.named_scope("host_part"):
         sk, sv, stable, ids_x = fetch_host_blocks(cache, layer, read_host, n_stage)
         if impl == "pallas":
-            out_d, lse_d, blse_d = _attend(
-                impl, q, sk, sv, stable, read_host, lengths, scale, starts=starts
-            )
+            parts.append(_kernel_part(q, sk, sv, stable, read_host, lengths, scale, None, starts))
         else:  # the staging pool is already laid out per sequence: read in place
             K = ids_x.shape[1]
             kx = sk.reshape(c.batch, K, *sk.shape[1:])
             vx = sv.reshape(c.batch, K, *sv.shape[1:])
-            out_d, lse_d, blse_d = attend_compact(
-                q, kx, vx, ids_x, lengths, scale_f, c.max_blocks, starts
-            )
-    out, lse = merge_partials(jnp.stack([out_h, out_d]), jnp.stack([lse_h, lse_d]))
-    if blse_h is None:
+            parts.append(attend_compact(q, kx, vx, ids_x, lengths, scale_f, c.max_blocks, starts))
+    outs, lses, blses = zip(*parts, strict=True)
+    out, lse = merge_partials(jnp.stack(outs), jnp.stack(lses))
+    if blses[0] is None:
         mass = jnp.zeros(selected.shape, jnp.float32)
     else:
-        blse = jnp.where(read_host[:, None, :], blse_d, blse_h)  # [B, H, M]
+        blse = jnp.where(read_host[:, None, :], blses[-1], blses[0])  # [B, H, M]
+        if c.ring_blocks:
+            blse = jnp.where(read_ring[:, None, :], blses[1], blse)
         safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
         mass = jnp.where(selected[:, None], jnp.exp(blse - safe[..., None]), 0.0).sum(axis=1)
+    read_hbm = read_pool | read_ring  # the ring is HBM too
     stats = AttentionStats(read_hbm=read_hbm, read_host=read_host, mass=mass)
     return (out, stats, (sk, sv, stable)) if return_staging else (out, stats)
 

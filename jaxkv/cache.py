@@ -38,15 +38,20 @@ from jaxkv.cache_layout import (  # noqa: F401  (re-exported: callers use `jaxkv
     cache_shardings,
     check_host_pool,
     gpu_host_limit_bytes,
+    hbm_pool_blocks,
     host_pool_blocks,
+    read_hbm,
     read_host,
+    ring_ids,
+    ring_window,
     run_in_kinds,
+    write_hbm,
     write_host,
 )
-from jaxkv.config import HBM_KIND, TIER_HBM, TIER_HOST, TIER_NONE
+from jaxkv.config import TIER_HBM, TIER_HOST, TIER_NONE
 from jaxkv.migration import Moves, migrate, plan_moves  # noqa: F401  (re-exported)
 from jaxkv.slot_ops import first_free, take
-from jaxkv.transfer import rows_of, to_kind, traced
+from jaxkv.transfer import rows_of, traced
 from pallas_kernels.compaction import compaction, compaction_moves
 
 
@@ -117,9 +122,9 @@ def _prefill(cache: TieredKVCache, k, v, lengths) -> TieredKVCache:
     kmin, kmax = _key_bounds(kb, live)
     return replace(
         cache,
-        hbm_k=to_kind(hk, HBM_KIND),
-        hbm_v=to_kind(hv, HBM_KIND),
+        **hbm_pool_blocks(c, hk, hv),
         **host_pool_blocks(c, xk, xv),
+        **_prompt_ring(c, kb, vb, lengths),
         tier=jnp.broadcast_to(jnp.where(written, tier, TIER_NONE), (L, B, M)).astype(jnp.int32),
         slot=jnp.broadcast_to(slot, (L, B, M)),
         hbm_free=jnp.broadcast_to(~hbm_used, (L, S_h)),
@@ -142,6 +147,21 @@ def _prompt_blocks(k, v, lengths, M: int, bs: int):
     kb = jnp.where(live[None, ..., None, None], kb, 0)
     vb = jnp.where(live[None, ..., None, None], vb, 0)
     return kb, vb, live
+
+
+def _prompt_ring(c, kb, vb, lengths) -> dict:
+    """The full-precision ring after prefill (fp8="age"): each sequence's tail and the sealed
+    blocks before it inside `ring_window`, from the prompt blocks kb, vb [L, B, M, bs, ...]."""
+    if not c.ring_blocks:
+        return {}
+    ids = ring_ids(c, lengths, ring_window(c, lengths))  # [B, W]
+    b = jnp.arange(c.batch)[:, None]
+    at = jnp.maximum(ids, 0)
+    keep = (ids >= 0)[None, :, :, None, None, None]
+    return dict(
+        ring_k=jnp.where(keep, kb[:, b, at], 0).astype(c.jnp_dtype),
+        ring_v=jnp.where(keep, vb[:, b, at], 0).astype(c.jnp_dtype),
+    )
 
 
 def _prefill_table(lengths, B: int, M: int, bs: int, S_h: int):
@@ -227,9 +247,19 @@ def _write_token(cache: TieredKVCache, layer, k, v, active) -> TieredKVCache:
     j = jnp.minimum(pos // c.block_size, c.max_blocks - 1)
     off = pos % c.block_size
     ok = active & (pos < c.max_len)
-    s = jnp.where(ok, cache.slot[layer, b, j], c.hbm_blocks)  # out of range -> dropped
-    hbm_k = cache.hbm_k.at[layer, s, off].set(k.astype(c.jnp_dtype), mode="drop")
-    hbm_v = cache.hbm_v.at[layer, s, off].set(v.astype(c.jnp_dtype), mode="drop")
+    if c.ring_blocks:  # fp8="age": the tail lives in the ring until it is sealed
+        e = jnp.where(ok, j % c.ring_blocks, c.ring_blocks)  # out of range -> dropped
+        at = (layer, b, e, off)
+        pools = dict(
+            ring_k=cache.ring_k.at[at].set(k.astype(c.jnp_dtype), mode="drop"),
+            ring_v=cache.ring_v.at[at].set(v.astype(c.jnp_dtype), mode="drop"),
+        )
+    else:
+        s = jnp.where(ok, cache.slot[layer, b, j], c.hbm_blocks)  # out of range -> dropped
+        pools = dict(
+            hbm_k=cache.hbm_k.at[layer, s, off].set(k.astype(c.jnp_dtype), mode="drop"),
+            hbm_v=cache.hbm_v.at[layer, s, off].set(v.astype(c.jnp_dtype), mode="drop"),
+        )
     kf = k.astype(jnp.float32)
     first = (off == 0)[:, None, None]
     old_min, old_max = cache.kmin[layer, b, j], cache.kmax[layer, b, j]
@@ -238,7 +268,7 @@ def _write_token(cache: TieredKVCache, layer, k, v, active) -> TieredKVCache:
     okx = ok[:, None, None]
     kmin = cache.kmin.at[layer, b, j].set(jnp.where(okx, new_min, old_min))
     kmax = cache.kmax.at[layer, b, j].set(jnp.where(okx, new_max, old_max))
-    return replace(cache, hbm_k=hbm_k, hbm_v=hbm_v, kmin=kmin, kmax=kmax)
+    return replace(cache, **pools, kmin=kmin, kmax=kmax)
 
 
 def advance(cache: TieredKVCache, active, *, after_reads=None) -> TieredKVCache:
@@ -278,10 +308,19 @@ def _advance(cache: TieredKVCache, active, after_reads) -> TieredKVCache:
 
     lay = jnp.arange(L)[:, None]
     rows = rows_of(lay, host_slot, spill, c.host_blocks).reshape(-1)
-    blk = (L * B, *cache.hbm_k.shape[2:])
-    spilled_k = cache.hbm_k[lay, old_slot].reshape(blk)
-    spilled_v = cache.hbm_v[lay, old_slot].reshape(blk)
-    host = write_host(cache, rows, spilled_k, spilled_v, after_reads)
+    blk = (L * B, c.block_size, c.kv_heads, c.head_dim)
+    if c.ring_blocks:  # fp8="age": the sealed block is quantized from the ring into its slot
+        # (the last block of a sequence that fills max_len seals in place, without a new tail)
+        sj = jnp.clip(lengths // bs - 1, 0, M - 1)  # old_j where `seal`
+        e = sj % c.ring_blocks
+        sealed_k, sealed_v = cache.ring_k[:, b, e], cache.ring_v[:, b, e]  # [L, B, ...]
+        stays = (seal[None] & keep) | (ok & (lengths % bs == 0) & ~seal)[None]
+        at = jnp.where(stays, cache.slot[:, b, sj], c.hbm_blocks)  # -> dropped
+        hbm = write_hbm(cache, lay, at, sealed_k, sealed_v)
+    else:
+        sealed_k, sealed_v = cache.hbm_k[lay, old_slot], cache.hbm_v[lay, old_slot]
+        hbm = {}
+    host = write_host(cache, rows, sealed_k.reshape(blk), sealed_v.reshape(blk), after_reads)
     tier = cache.tier.at[:, b, old_j].set(jnp.where(spill, TIER_HOST, cache.tier[:, b, old_j]))
     tier = tier.at[:, b, new_j].set(jnp.where(seal[None], TIER_HBM, tier[:, b, new_j]))
     slot = cache.slot.at[:, b, old_j].set(jnp.where(spill, host_slot, cache.slot[:, b, old_j]))
@@ -291,6 +330,7 @@ def _advance(cache: TieredKVCache, active, after_reads) -> TieredKVCache:
     host_free = cache.host_free.at[lay, jnp.where(spill, host_slot, S_x)].set(False, mode="drop")
     return replace(
         cache,
+        **hbm,
         **host,
         tier=tier,
         slot=slot,
@@ -334,12 +374,21 @@ def _compact(cache: TieredKVCache, *, impl: str) -> TieredKVCache:
         at = jnp.where(jnp.arange(src.shape[1])[None] < num_moves[:, None], dst, S)  # -> dropped
         hbm_k = cache.hbm_k.at[lay, at].set(cache.hbm_k[lay, src], mode="drop")
         hbm_v = cache.hbm_v.at[lay, at].set(cache.hbm_v[lay, src], mode="drop")
+    scales = {}
+    if cache.config.fp8_in("hbm"):  # the FP8 scales move with their blocks (tiny: XLA)
+        S = cache.config.hbm_blocks
+        lay = jnp.arange(cache.config.num_layers)[:, None]
+        at = jnp.where(jnp.arange(src.shape[1])[None] < num_moves[:, None], dst, S)
+        scales = {
+            name: x.at[lay, at].set(x[lay, src], mode="drop")
+            for name, x in (("hbm_ks", cache.hbm_ks), ("hbm_vs", cache.hbm_vs))
+        }
     in_hbm = cache.tier == TIER_HBM
     renum = jnp.take_along_axis(new_of_old, cache.slot.reshape(cache.config.num_layers, -1), 1)
     slot = jnp.where(in_hbm, renum.reshape(cache.slot.shape), cache.slot)
     n_used = jnp.sum(used, axis=1, keepdims=True)
     hbm_free = jnp.arange(cache.config.hbm_blocks)[None] >= n_used
-    return replace(cache, hbm_k=hbm_k, hbm_v=hbm_v, slot=slot, hbm_free=hbm_free)
+    return replace(cache, hbm_k=hbm_k, hbm_v=hbm_v, **scales, slot=slot, hbm_free=hbm_free)
 
 
 def fragmentation(cache: TieredKVCache) -> jax.Array:
@@ -364,19 +413,18 @@ def to_dense(cache: TieredKVCache) -> tuple[jax.Array, jax.Array]:
     host_k = host_k.reshape(L, S, *host_k.shape[1:])
     host_v = host_v.reshape(L, S, *host_v.shape[1:])
 
-    def layer_blocks(hk, hv, xk, xv, tier, slot):
-        sk = jnp.where((tier == TIER_HOST)[..., None, None, None], xk[slot], hk[slot])
-        sv = jnp.where((tier == TIER_HOST)[..., None, None, None], xv[slot], hv[slot])
-        return sk, sv
-
-    bk, bv = jax.vmap(layer_blocks)(
-        cache.hbm_k,
-        cache.hbm_v,
-        host_k,
-        host_v,
-        cache.tier,
-        jnp.minimum(cache.slot, jnp.maximum(c.hbm_blocks, c.host_blocks) - 1),
-    )
+    lay = jnp.arange(L)[:, None, None]
+    hk, hv = read_hbm(cache, lay, jnp.clip(cache.slot, 0, c.hbm_blocks - 1))  # [L, B, M, ...]
+    xs = jnp.clip(cache.slot, 0, S - 1)
+    on_host = (cache.tier == TIER_HOST)[..., None, None, None]
+    bk = jnp.where(on_host, host_k[lay, xs], hk)
+    bv = jnp.where(on_host, host_v[lay, xs], hv)
+    if c.ring_blocks:  # blocks inside the ring window are read from the ring
+        ids = ring_ids(c, cache.lengths, ring_window(c, cache.lengths))  # [B, W]
+        b = jnp.arange(c.batch)[:, None]
+        at = jnp.where(ids >= 0, ids, c.max_blocks)  # -> dropped
+        bk = bk.at[:, b, at].set(cache.ring_k, mode="drop")
+        bv = bv.at[:, b, at].set(cache.ring_v, mode="drop")
     shape = (c.num_layers, c.batch, c.max_blocks * c.block_size, c.kv_heads, c.head_dim)
     live = jnp.arange(shape[2])[None, :] < cache.lengths[:, None]  # [B, T]
     mask = live[None, :, :, None, None]

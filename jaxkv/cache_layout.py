@@ -39,6 +39,16 @@ class TieredKVCache:
     # under fp8="host", [layers, 0, kv_heads] without FP8
     host_ks: jax.Array
     host_vs: jax.Array
+    # FP8 scales of the HBM blocks under fp8="age", "device": [layers, hbm_slots, kv_heads] f32
+    # ([layers, 0, kv_heads] otherwise)
+    hbm_ks: jax.Array
+    hbm_vs: jax.Array
+    # the full-precision ring under fp8="age" (`CacheConfig.ring_blocks` = W entries per
+    # sequence; logical block j at entry j % W): [layers, batch, W, block, kv_heads, head_dim]
+    # in `dtype`, "device" (W = 0 otherwise). It holds each sequence's tail and its W - 1 most
+    # recent sealed blocks, which attention reads from here (`ring_window`).
+    ring_k: jax.Array
+    ring_v: jax.Array
     tier: jax.Array  # [layers, batch, max_blocks] int32: TIER_HBM / TIER_HOST / TIER_NONE
     slot: jax.Array  # [layers, batch, max_blocks] int32: slot in that tier's pool (0 if none)
     hbm_free: jax.Array  # [layers, hbm_slots] bool
@@ -57,9 +67,11 @@ class TieredKVCache:
         check_host_pool(c)
         L, B, M = c.num_layers, c.batch, c.max_blocks
         blk = (c.block_size, c.kv_heads, c.head_dim)
-        hbm = jnp.zeros((L, c.hbm_blocks, *blk), c.jnp_dtype)
+        hbm = jnp.zeros((L, c.hbm_blocks, *blk), c.hbm_dtype)
         host = jnp.zeros((L, c.host_blocks, *blk), c.host_dtype)
-        scales = jnp.ones((L, c.host_blocks if c.fp8 == "host" else 0, c.kv_heads), jnp.float32)
+        scales = jnp.ones((L, c.host_blocks if c.fp8_in("host") else 0, c.kv_heads), jnp.float32)
+        hbm_scales = jnp.ones((L, c.hbm_blocks if c.fp8_in("hbm") else 0, c.kv_heads))
+        ring = jnp.zeros((L, B, c.ring_blocks, *blk), c.jnp_dtype)
         tier = jnp.full((L, B, M), TIER_NONE, jnp.int32).at[:, :, 0].set(TIER_HBM)
         slot = jnp.zeros((L, B, M), jnp.int32).at[:, :, 0].set(jnp.arange(B, dtype=jnp.int32))
         hbm_free = jnp.ones((L, c.hbm_blocks), bool).at[:, :B].set(False)
@@ -71,6 +83,10 @@ class TieredKVCache:
             host_v=to_kind(jnp.zeros_like(host), c.host_memory_kind),
             host_ks=scales,
             host_vs=scales,
+            hbm_ks=hbm_scales,
+            hbm_vs=hbm_scales,
+            ring_k=ring,
+            ring_v=ring,
             tier=tier,
             slot=slot,
             hbm_free=hbm_free,
@@ -106,7 +122,7 @@ def read_host(cache: TieredKVCache, rows) -> tuple[jax.Array, jax.Array]:
     kind = c.host_memory_kind
     xk = read_blocks(cache.host_k, rows, c.fetch, pool_kind=kind)
     xv = read_blocks(cache.host_v, rows, c.fetch, pool_kind=kind)
-    if c.fp8 == "off":
+    if not c.fp8_in("host"):
         return xk, xv
     at = jnp.maximum(rows, 0)
     sk = cache.host_ks.reshape(-1, c.kv_heads)[at]
@@ -131,13 +147,68 @@ def write_host(cache: TieredKVCache, rows, k, v, after_reads=None) -> dict:
             cache.host_v, rows, qv, c.fetch, pool_kind=kind, after_reads=after_reads
         ),
     )
-    if c.fp8 != "off":
+    if c.fp8_in("host"):
         shape = cache.host_ks.shape
         at = jnp.where(rows >= 0, rows, shape[0] * shape[1])  # -> dropped
         flat = (-1, c.kv_heads)
         out["host_ks"] = cache.host_ks.reshape(flat).at[at].set(sk, mode="drop").reshape(shape)
         out["host_vs"] = cache.host_vs.reshape(flat).at[at].set(sv, mode="drop").reshape(shape)
     return out
+
+
+def read_hbm(cache: TieredKVCache, lay, slots) -> tuple[jax.Array, jax.Array]:
+    """HBM blocks `cache.hbm_k[lay, slots]` (and V; `lay`, `slots` broadcast, in range) in the
+    cache dtype: dequantized under fp8="age". Returns (k, v), each [*shape, block_size,
+    kv_heads, head_dim]."""
+    c = cache.config
+    k, v = cache.hbm_k[lay, slots], cache.hbm_v[lay, slots]
+    if not c.fp8_in("hbm"):
+        return k, v
+    sk, sv = cache.hbm_ks[lay, slots], cache.hbm_vs[lay, slots]
+    flat = (-1, *k.shape[-3:])
+    k = dequantize(k.reshape(flat), sk.reshape(-1, c.kv_heads), c.jnp_dtype).reshape(k.shape)
+    v = dequantize(v.reshape(flat), sv.reshape(-1, c.kv_heads), c.jnp_dtype).reshape(v.shape)
+    return k, v
+
+
+def write_hbm(cache: TieredKVCache, lay, slots, k, v) -> dict:
+    """The HBM pools (and FP8 scales) with blocks `k`, `v` [*shape, block_size, kv_heads,
+    head_dim] in the cache dtype written at `cache.hbm_k[lay, slots]` (`slots` >= hbm_blocks:
+    not written), quantized first under fp8="age". Returns the changed fields."""
+    c = cache.config
+    shape = k.shape[:-3]
+    qk, sk = pool_blocks(c, k.reshape(-1, *k.shape[-3:]), "hbm")
+    qv, sv = pool_blocks(c, v.reshape(-1, *v.shape[-3:]), "hbm")
+    out = dict(
+        hbm_k=cache.hbm_k.at[lay, slots].set(qk.reshape(k.shape), mode="drop"),
+        hbm_v=cache.hbm_v.at[lay, slots].set(qv.reshape(v.shape), mode="drop"),
+    )
+    if c.fp8_in("hbm"):
+        scales = (*shape, c.kv_heads)
+        out["hbm_ks"] = cache.hbm_ks.at[lay, slots].set(sk.reshape(scales), mode="drop")
+        out["hbm_vs"] = cache.hbm_vs.at[lay, slots].set(sv.reshape(scales), mode="drop")
+    return out
+
+
+def ring_window(config: CacheConfig, lengths) -> jax.Array:
+    """[batch, max_blocks] bool: the logical blocks read from the full-precision ring under
+    fp8="age" (each sequence's tail, or its last block once full, and the `ring_blocks - 1`
+    blocks before it), for a cache holding `lengths` [batch] tokens; all False otherwise."""
+    M, W = config.max_blocks, config.ring_blocks
+    tail = jnp.minimum(lengths // config.block_size, M - 1)[:, None]
+    j = jnp.arange(M)[None]
+    return (j <= tail) & (j > tail - W)
+
+
+def ring_ids(config: CacheConfig, lengths, mask) -> jax.Array:
+    """[batch, ring_blocks] int32: the logical block at each ring entry where `mask`
+    [batch, max_blocks] selects it (a block inside `ring_window`), -1 elsewhere."""
+    W = config.ring_blocks
+    tail = jnp.minimum(lengths // config.block_size, config.max_blocks - 1)[:, None]
+    e = jnp.arange(W)[None]
+    j = tail - (tail - e) % W  # the window's block at entry e (< 0: none)
+    hit = (j >= 0) & jnp.take_along_axis(mask, jnp.maximum(j, 0), axis=1)
+    return jnp.where(hit, j, -1).astype(jnp.int32)
 
 
 def host_pool_blocks(config: CacheConfig, pool_k, pool_v) -> dict:
@@ -151,9 +222,26 @@ def host_pool_blocks(config: CacheConfig, pool_k, pool_v) -> dict:
         host_k=to_kind(qk.reshape(pool_k.shape), c.host_memory_kind),
         host_v=to_kind(qv.reshape(pool_v.shape), c.host_memory_kind),
     )
-    if c.fp8 != "off":
+    if c.fp8_in("host"):
         out["host_ks"] = sk.reshape(L, S, c.kv_heads)
         out["host_vs"] = sv.reshape(L, S, c.kv_heads)
+    return out
+
+
+def hbm_pool_blocks(config: CacheConfig, pool_k, pool_v) -> dict:
+    """HBM-pool fields of a cache from whole pools [layers, slots, ...] in the cache dtype
+    (prefill): quantized under fp8="age", in "device" memory."""
+    c = config
+    L, S = pool_k.shape[:2]
+    qk, sk = pool_blocks(c, pool_k.reshape(L * S, *pool_k.shape[2:]), "hbm")
+    qv, sv = pool_blocks(c, pool_v.reshape(L * S, *pool_v.shape[2:]), "hbm")
+    out = dict(
+        hbm_k=to_kind(qk.reshape(pool_k.shape), HBM_KIND),
+        hbm_v=to_kind(qv.reshape(pool_v.shape), HBM_KIND),
+    )
+    if c.fp8_in("hbm"):
+        out["hbm_ks"] = sk.reshape(L, S, c.kv_heads)
+        out["hbm_vs"] = sv.reshape(L, S, c.kv_heads)
     return out
 
 

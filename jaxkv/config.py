@@ -94,11 +94,19 @@ class CacheConfig:
       fetch: how blocks cross between the tiers (host reads, promotions, demotions, spills):
         "auto", "xla" or "pallas" (`jaxkv.transfer`); every one moves a layer's blocks in one
         operation per pool, never block by block.
-      fp8: "off" (every block in `dtype`), or "host": every block on the host tier is stored as
+      fp8: "off" (every block in `dtype`); "host": every block on the host tier is stored as
         float8_e4m3fn with a dynamic fp32 scale per block and KV head (`jaxkv.quant`), so it
         crosses the link at one byte an element; HBM blocks, the tail included, stay in
         `dtype`. Quantized when a block enters the host tier, dequantized on the device when it
-        is read or promoted. Exact attention is bit-identical to all-HBM only with "off".
+        is read or promoted. "age": every sealed block is stored as FP8 in both tiers
+        (quantized when it is sealed), and the tail plus the `fp8_age // block_size` most
+        recent sealed blocks of each sequence are also kept in `dtype` in a device ring
+        (`ring_blocks` entries per sequence) from which attention reads them: every token
+        younger than `fp8_age` tokens is read at full precision, older ones in FP8, from HBM
+        at half the bytes as well as over the link. Exact attention is bit-identical to all-HBM
+        only with "off".
+      fp8_age: tokens read at full precision under fp8="age": a multiple of block_size, >= 0
+        (0: every sealed block is read in FP8, the tail alone in `dtype`). Must be 0 otherwise.
     """
 
     num_layers: int
@@ -113,10 +121,16 @@ class CacheConfig:
     host_memory_kind: str = HOST_KIND
     fetch: str = "auto"
     fp8: str = "off"
+    fp8_age: int = 0
 
     def __post_init__(self):
         if self.fp8 not in FP8_MODES:
             raise ValueError(f"fp8 must be one of {FP8_MODES}, got {self.fp8!r}")
+        _positive_int("fp8_age", self.fp8_age, minimum=0)
+        if self.fp8 != "age" and self.fp8_age:
+            raise ValueError(
+                f"fp8_age={self.fp8_age} applies to fp8='age' only (fp8={self.fp8!r}): expected 0"
+            )
         if self.fetch not in FETCH_OPTIONS:
             raise ValueError(f"fetch must be one of {FETCH_OPTIONS}, got {self.fetch!r}")
         if self.host_memory_kind not in HOST_KINDS:
@@ -125,6 +139,11 @@ class CacheConfig:
             )
         for name in ("num_layers", "kv_heads", "head_dim", "batch", "max_len", "block_size"):
             _positive_int(name, getattr(self, name))
+        if self.fp8_age % self.block_size:
+            raise ValueError(
+                f"fp8_age={self.fp8_age} tokens: expected a multiple of block_size="
+                f"{self.block_size} (blocks are quantized whole)"
+            )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         hbm = self.hbm_blocks  # validates the capacity spec
@@ -210,19 +229,46 @@ class CacheConfig:
         itemsize = jnp.dtype(self.jnp_dtype).itemsize
         return 2 * self.block_size * self.kv_heads * self.head_dim * itemsize
 
+    def fp8_in(self, tier: str) -> bool:
+        """Whether the pools of `tier` ("hbm" or "host") hold FP8 blocks."""
+        if tier not in ("hbm", "host"):
+            raise ValueError(f"tier={tier!r}: expected 'hbm' or 'host'")
+        return self.fp8 == "age" or (self.fp8 == "host" and tier == "host")
+
+    @property
+    def ring_blocks(self) -> int:
+        """Entries per sequence of the full-precision ring under fp8="age" (the tail and the
+        `fp8_age // block_size` most recent sealed blocks; logical block j at entry
+        j % ring_blocks), else 0."""
+        return self.fp8_age // self.block_size + 1 if self.fp8 == "age" else 0
+
+    @property
+    def hbm_dtype(self):
+        """The HBM pools' storage dtype: float8_e4m3fn under fp8="age", else `dtype`."""
+        return FP8 if self.fp8_in("hbm") else self.jnp_dtype
+
     @property
     def host_dtype(self):
-        """The host pools' storage dtype: float8_e4m3fn under fp8="host", else `dtype`."""
-        return FP8 if self.fp8 == "host" else self.jnp_dtype
+        """The host pools' storage dtype: float8_e4m3fn under fp8="host" / "age", else `dtype`."""
+        return FP8 if self.fp8_in("host") else self.jnp_dtype
+
+    @property
+    def fp8_block_bytes(self) -> int:
+        """Bytes of one FP8 block of one layer: an element a byte plus the fp32 scales."""
+        return fp8_block_bytes(self.block_size, self.kv_heads, self.head_dim)
 
     @property
     def host_block_bytes(self) -> int:
         """Bytes of one host-tier block of one layer (K and V, all KV heads): what a host read,
-        spill, promotion or demotion moves over the link. Under fp8="host": one byte an element
+        spill, promotion or demotion moves over the link. Under FP8: one byte an element
         plus the fp32 scale of each (pool, KV head)."""
-        if self.fp8 == "off":
-            return self.block_bytes
-        return fp8_block_bytes(self.block_size, self.kv_heads, self.head_dim)
+        return self.fp8_block_bytes if self.fp8_in("host") else self.block_bytes
+
+    @property
+    def hbm_block_bytes(self) -> int:
+        """Bytes attention reads for one sealed block of one layer in the HBM pool (FP8 under
+        fp8="age"; a block in the full-precision ring is read at `block_bytes`)."""
+        return self.fp8_block_bytes if self.fp8_in("hbm") else self.block_bytes
 
 
 @dataclasses.dataclass(frozen=True)

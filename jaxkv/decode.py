@@ -489,8 +489,9 @@ class Decoder:
         layers) from its reads, its token write and its migrations ([layers] blocks each);
         `link_mig`: the link's migration bytes [layers] when others share it (jaxkv.sharded)."""
         c = self.cache_config
-        bb = float(c.block_bytes)
-        write_b = float(c.batch * c.block_bytes // c.block_size)
+        bb = float(c.hbm_block_bytes)  # what a migration writes or reads in the HBM pool
+        # the token's write (fp8="age": into the ring, plus its FP8 copy at sealing, amortized)
+        write_b = float(c.batch * (c.block_bytes + (bb if c.ring_blocks else 0)) / c.block_size)
         # as in the simulator (docs/paper.md): a migration crosses the link once and touches
         # HBM once, in its step; a follow promotion rides on the step's host read (HBM only)
         mig_h = (moved + promoted + demoted).astype(jnp.float32) * bb  # [L]

@@ -48,10 +48,12 @@ def plan_env(
     profile: HardwareProfile, cache_config: CacheConfig, weight_bytes_per_layer: float
 ) -> CostModel:
     """The environment plans are priced in; the cache is exclusive: a demotion copies the
-    block over the link."""
+    block over the link. Under fp8="age" a block is priced at its FP8 bytes in both tiers (the
+    ring's recent blocks, read at full precision wherever they are placed, are priced so too:
+    they are `ring_blocks` per sequence, a small share at long context)."""
     return CostModel(
         profile=profile,
-        block_bytes=float(cache_config.block_bytes),
+        block_bytes=float(cache_config.hbm_block_bytes),
         host_block_bytes=float(cache_config.host_block_bytes),
         fixed_bytes=weight_bytes_per_layer,
         demote_cost=1.0,

@@ -27,6 +27,7 @@ import numpy as np
 from jaxkv import cache as kvc
 from jaxkv import importance as imp
 from jaxkv._pytree import pytree_dataclass, replace
+from jaxkv.cache_layout import ring_window
 from jaxkv.config import CacheConfig
 
 
@@ -151,7 +152,10 @@ def record_step(
         step,
         state.cache.sealed.reshape(L, N),
     )
-    hbm_b = read_hbm.sum(axis=(1, 2)) * float(c.block_bytes)  # [L]
+    ring = read_hbm & ring_window(c, state.cache.lengths)[None]  # fp8="age": full precision
+    hbm_b = (read_hbm & ~ring).sum(axis=(1, 2)) * float(c.hbm_block_bytes) + ring.sum(
+        axis=(1, 2)
+    ) * float(c.block_bytes)  # [L]
     host_b = read_host.sum(axis=(1, 2)) * float(c.host_block_bytes)  # FP8 host blocks: less
     n_hbm, n_all = read_hbm.sum().astype(jnp.float32), read.sum().astype(jnp.float32)
     m = state.metrics

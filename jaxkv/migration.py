@@ -14,7 +14,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv._pytree import pytree_dataclass, replace
-from jaxkv.cache_layout import TieredKVCache, read_host, run_in_kinds, write_host
+from jaxkv.cache_layout import (
+    TieredKVCache,
+    read_hbm,
+    read_host,
+    run_in_kinds,
+    write_hbm,
+    write_host,
+)
 from jaxkv.config import TIER_HBM, TIER_HOST
 from jaxkv.slot_ops import compacted, first_free, nth, take
 from jaxkv.transfer import rows_of
@@ -99,7 +106,8 @@ def migrate(
     """Applies `moves`: per layer its demotions (HBM -> host), then its promotions
     (host -> HBM), all of them in one bulk read and one bulk write per pool and direction.
 
-    Contents are copied bit for bit; table and free masks are updated. Entries that do not
+    Contents are copied bit for bit (an FP8 block's values and scale: re-quantizing them
+    is exact); table and free masks are updated. Entries that do not
     apply (past the count, a block not sealed, already in the destination tier, or listed
     twice) are skipped. Every read happens before any write, so a promotion may take the HBM
     slot a demotion frees and a demotion the host slot a promotion frees. Demotions beyond the
@@ -244,27 +252,28 @@ def _promoted_blocks(cache: TieredKVCache, moves: Moves, ls, t: _Transfers, fetc
             f"expected {want} (layers, promote entries, block)"
         )
     pick = jnp.arange(ls.shape[0])[:, None]
-    pk = fk[ls][pick, t.p_from].reshape(-1, *blk).astype(cache.hbm_k.dtype)
-    pv = fv[ls][pick, t.p_from].reshape(-1, *blk).astype(cache.hbm_v.dtype)
+    pk = fk[ls][pick, t.p_from].reshape(-1, *blk).astype(c.jnp_dtype)
+    pv = fv[ls][pick, t.p_from].reshape(-1, *blk).astype(c.jnp_dtype)
     return pk, pv
 
 
 def _write_pools(cache: TieredKVCache, ls, t: _Transfers, pk, pv, after_reads):
     """The blocks leaving HBM written to host (after every read: the promotions' `pk`, `pv` and
-    the caller's `after_reads`), the promoted ones to HBM: (hbm_k, hbm_v, host fields)."""
+    the caller's `after_reads`), the promoted ones to HBM: the changed pool fields (FP8 blocks
+    are dequantized and re-quantized on the device, which gives back their bytes)."""
     c = cache.config
     lay = ls[:, None]
     nl, Kp = t.p_blk.shape
     blk = cache.hbm_k.shape[2:]
-    ok_k = cache.hbm_k[lay, t.out_src].reshape(-1, *blk)
-    ok_v = cache.hbm_v[lay, t.out_src].reshape(-1, *blk)
+    ok_k, ok_v = read_hbm(cache, lay, t.out_src)
     reads = (pk, pv, after_reads)
     o_rows = rows_of(lay, t.out_dst, t.out_ok, c.host_blocks).reshape(-1)
-    host = write_host(cache, o_rows, ok_k, ok_v, after_reads=reads)
+    host = write_host(
+        cache, o_rows, ok_k.reshape(-1, *blk), ok_v.reshape(-1, *blk), after_reads=reads
+    )
     p_at = jnp.where(t.p_ok, t.p_dst, c.hbm_blocks)
-    hbm_k = cache.hbm_k.at[lay, p_at].set(pk.reshape(nl, Kp, *blk), mode="drop")
-    hbm_v = cache.hbm_v.at[lay, p_at].set(pv.reshape(nl, Kp, *blk), mode="drop")
-    return hbm_k, hbm_v, host
+    hbm = write_hbm(cache, lay, p_at, pk.reshape(nl, Kp, *blk), pv.reshape(nl, Kp, *blk))
+    return {**hbm, **host}
 
 
 def _with_tables(cache: TieredKVCache, ls, t: _Transfers, pools, tables):
@@ -291,12 +300,9 @@ def _with_tables(cache: TieredKVCache, ls, t: _Transfers, pools, tables):
     hbm_free = hbm_free.at[rr, p_at].set(False, mode="drop")
     host_free = host_free.at[rr, jnp.where(t.p_ok, t.p_src, S_x)].set(True, mode="drop")
     host_free = host_free.at[rr, jnp.where(t.out_ok, t.out_dst, S_x)].set(False, mode="drop")
-    hbm_k, hbm_v, host = pools
     cache = replace(
         cache,
-        hbm_k=hbm_k,
-        hbm_v=hbm_v,
-        **host,
+        **pools,
         tier=cache.tier.at[ls].set(tier.reshape(nl, B, M)),
         slot=cache.slot.at[ls].set(slot.reshape(nl, B, M)),
         hbm_free=cache.hbm_free.at[ls].set(hbm_free),

@@ -1,11 +1,14 @@
 """FP8 storage for KV blocks: float8_e4m3fn values with a dynamic fp32 scale per block and KV
-head, the form the cache's host tier takes under `CacheConfig(fp8="host")`.
+head, the form the cache's host tier takes under `CacheConfig(fp8="host")`, and both tiers' sealed
+blocks under `CacheConfig(fp8="age")` (the recent ones read from a full-precision ring).
 
 A block `[block_size, kv_heads, head_dim]` is quantized per KV head: `scale = amax / 448` over
 that head's `block_size x head_dim` elements (448 is e4m3fn's largest finite value), and every
 element is stored as `round_to_e4m3(x / scale)`. The scale is computed when the block enters the
-host tier (spilled at sealing, demoted, or written there by prefill) and stays with the block
-until it leaves; dequantizing is `q * scale`. K and V have their own scales.
+host tier (spilled at sealing, demoted, or written there by prefill; under fp8="age" when it is
+sealed, in either tier) and stays with the block: a migration dequantizes and re-quantizes it,
+which gives back the same bytes and scale (`test_requantizing_a_dequantized_block_is_exact`), so
+only FP8 bytes cross the link. Dequantizing is `q * scale`. K and V have their own scales.
 
 Error bound (`error_bound`): e4m3 has 3 mantissa bits, so rounding to nearest moves a normal
 value by at most 2^-4 of itself; below the smallest normal (2^-6, i.e. |x| < 2^-6 * scale) the
@@ -28,7 +31,7 @@ FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_REL_ERROR = 2.0**-4  # half the spacing of normal values, relative
 FP8_SUB_ERROR = 2.0**-10  # half the spacing of subnormals, relative to the scale
-FP8_MODES = ("off", "host")
+FP8_MODES = ("off", "host", "age")
 
 
 def fp8_block_bytes(block_size: int, kv_heads: int, head_dim: int) -> int:
@@ -66,16 +69,16 @@ def error_bound(blocks: jax.Array) -> jax.Array:
     return jnp.maximum(FP8_REL_ERROR * x, FP8_SUB_ERROR * scale) * (1 + 2.0**-20)
 
 
-def pool_blocks(config, blocks: jax.Array):
-    """What a host pool stores for device blocks [n, ...] in the cache dtype: (values in the
-    host pool's dtype, [n, kv_heads] scales or None without FP8)."""
-    if config.fp8 == "off":
+def pool_blocks(config, blocks: jax.Array, tier: str = "host"):
+    """What a pool of `tier` ("host" or "hbm") stores for device blocks [n, ...] in the cache
+    dtype: (values in that pool's dtype, [n, kv_heads] scales, or None where it is not FP8)."""
+    if not config.fp8_in(tier):
         return blocks.astype(config.jnp_dtype), None
     return quantize(blocks)
 
 
-def from_pool(config, values: jax.Array, scale) -> jax.Array:
-    """Blocks in the cache dtype from what a host pool stored (`pool_blocks`)."""
-    if config.fp8 == "off":
+def from_pool(config, values: jax.Array, scale, tier: str = "host") -> jax.Array:
+    """Blocks in the cache dtype from what a pool of `tier` stored (`pool_blocks`)."""
+    if not config.fp8_in(tier):
         return values
     return dequantize(values, scale, config.jnp_dtype)

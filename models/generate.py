@@ -13,6 +13,7 @@ from flax import nnx
 from jaxkv import presets
 from jaxkv.config import CacheConfig, PlacementConfig, check_number
 from jaxkv.decode import Decoder, Greedy, Sampling, summarize
+from jaxkv.quant import FP8_MODES
 from models.default import default_model
 from models.hf import load_pretrained, load_tokenizer
 
@@ -108,6 +109,7 @@ def generate_text(
     hbm_fraction: float = 0.25,
     policy: str = "lru",
     fp8: str = "off",
+    fp8_age: int = 0,
     seed: int = 0,
 ) -> tuple[str, dict]:
     """Generates a continuation; returns (text, decode summary). Arguments are checked before
@@ -129,6 +131,8 @@ def generate_text(
         ),
         label=lambda name: name,
     )
+    # the FP8 settings, checked before the model loads (the model's geometry does not matter)
+    CacheConfig(num_layers=1, kv_heads=1, head_dim=1, block_size=16, fp8=fp8, fp8_age=fp8_age)
     model, tokenizer = load_model(model_spec)
     mc = model.config
     ids = encode(tokenizer, prompt, mc.vocab_size)
@@ -145,6 +149,7 @@ def generate_text(
         block_size=16,
         hbm_capacity=hbm_fraction,
         fp8=fp8,
+        fp8_age=fp8_age,
     )
     sampler = Greedy() if temperature == 0 else Sampling(temperature, top_k, top_p)
     eos = None
@@ -221,6 +226,7 @@ def _cmd(args) -> int:
         hbm_fraction=args.hbm_fraction,
         policy=args.policy,
         fp8=args.fp8,
+        fp8_age=args.fp8_age,
         seed=args.seed,
     )
     print(args.prompt + text)
@@ -243,7 +249,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hbm-fraction", type=float, default=0.25)
     p.add_argument("--policy", default="lru")
     p.add_argument(
-        "--fp8", default="off", choices=("off", "host"), help="host: FP8 host-tier blocks"
+        "--fp8",
+        default="off",
+        choices=FP8_MODES,
+        help="host: FP8 host-tier blocks; age: every sealed block FP8 in both tiers, the last "
+        "--fp8-age tokens also kept at full precision",
+    )
+    p.add_argument(
+        "--fp8-age", type=int, default=0, help="tokens read at full precision (a multiple of 16)"
     )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd)

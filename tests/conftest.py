@@ -94,3 +94,46 @@ def random_block_trace(seed, steps=12, layers=2, k=10, prompt=40, block_size=4):
     return tr.validate(
         dict(version=1, prompt_len=prompt, block_size=block_size, ids=ids, mass=mass)
     )
+
+
+def prefilled(cfg, lengths=(70, 41), seed=0):
+    """A cache of config `cfg` holding random prompts of `lengths`, KV head 1's keys 8x the
+    others' (heads of different scales, for the FP8 scales): (cache, k, v, lengths)."""
+    T = max(lengths)
+    shape = (cfg.num_layers, cfg.batch, T, cfg.kv_heads, cfg.head_dim)
+    k = jax.random.normal(jax.random.key(seed), shape).astype(cfg.jnp_dtype)
+    v = jax.random.normal(jax.random.key(seed + 1), shape).astype(cfg.jnp_dtype)
+    k = k.at[:, :, :, 1].multiply(8.0)
+    cache = kvc.prefill(kvc.TieredKVCache.create(cfg), k, v, jnp.asarray(lengths))
+    return cache, k, v, jnp.asarray(lengths, jnp.int32)
+
+
+def demote_then_promote_all(cache, budget=16):
+    """Every sealed block demoted to host, then every one promoted back, the table checked
+    after each and the moves complete: (demoted cache, promoted cache)."""
+    L = cache.config.num_layers
+    none = jnp.zeros((L, cache.config.total_blocks), bool)
+    down, n = kvc.migrate(cache, kvc.plan_moves(cache, none, budget))
+    kvc.check_invariants(down)
+    assert int(n.sum()) > 0 and int(down.in_hbm.sum()) == 0
+    up, _ = kvc.migrate(down, kvc.plan_moves(down, cache.sealed.reshape(L, -1), budget))
+    kvc.check_invariants(up)
+    assert int(up.in_hbm.sum()) == int(cache.sealed.sum())
+    return down, up
+
+
+def fp8_config(**kw):
+    """The FP8 tests' small bf16 cache (2 layers, 2 KV heads x 16, block 16, 2 x 96 tokens,
+    3 HBM blocks, fp8="host"), with `kw` overriding any CacheConfig field."""
+    base = dict(
+        num_layers=2,
+        kv_heads=2,
+        head_dim=16,
+        batch=2,
+        max_len=96,
+        block_size=16,
+        hbm_capacity=3,
+        dtype="bfloat16",
+        fp8="host",
+    )
+    return CacheConfig(**{**base, **kw})

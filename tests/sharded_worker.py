@@ -21,6 +21,7 @@ def main() -> int:
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--attention", default="exact")
     ap.add_argument("--fp8", default="off")
+    ap.add_argument("--fp8-age", type=int, default=0)
     ap.add_argument("--mesh", default="4,2", help="data,model")
     ap.add_argument("--stagger", type=int, default=1)
     ap.add_argument("--link-gbps", default=None, help="per-device link GB/s, comma separated")
@@ -51,7 +52,13 @@ def main() -> int:
     nd, nm = (int(x) for x in args.mesh.split(","))
     B, new = 4, 16
     cfg = CacheConfig.for_model(
-        model.config, batch=B, max_len=96, block_size=8, hbm_capacity=0.25, fp8=args.fp8
+        model.config,
+        batch=B,
+        max_len=96,
+        block_size=8,
+        hbm_capacity=0.25,
+        fp8=args.fp8,
+        fp8_age=args.fp8_age,
     )
     pl = PlacementConfig(policy=args.policy, window=4, attention=args.attention, topk=0.3)
     prompts = np.asarray(jax.random.randint(jax.random.key(7), (B, 45), 0, 256), np.int32)
@@ -81,7 +88,7 @@ def main() -> int:
         name: sorted(
             {s.data.sharding.memory_kind for s in getattr(state.cache, name).addressable_shards}
         )
-        for name in ("host_k", "host_v", "hbm_k", "hbm_v")
+        for name in ("host_k", "host_v", "hbm_k", "hbm_v", "ring_k", "ring_v")
     }
     print(
         json.dumps(
@@ -95,6 +102,7 @@ def main() -> int:
                 kinds_after_prefill=kinds0,
                 pool_kinds=pools,
                 host_dtype=str(state.cache.host_k.dtype),
+                hbm_dtype=str(state.cache.hbm_k.dtype),
                 shards=len(state.cache.host_k.addressable_shards),
                 phases=summary["phases"],
                 window=pl.window,

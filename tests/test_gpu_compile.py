@@ -324,19 +324,24 @@ def _assert_must_hold(rows, fn, bench):
 
 
 @needs_plugin
+@pytest.mark.parametrize("fp8", [("host", 0), ("age", 32)])
 @pytest.mark.parametrize("mode", MODES)
-def test_fp8_host_step_must_hold_and_reads_fp8_over_the_link(bench, mode):
-    """fp8="host": the same must-holds, and the host pools the step reads are float8 buffers
-    in host memory (S(5)): the link carries one byte an element."""
+def test_fp8_step_must_hold_and_reads_fp8_over_the_link(bench, mode, fp8):
+    """fp8="host" / "age": the same must-holds, and the host pools the step reads are float8
+    buffers in host memory (S(5)): the link carries one byte an element. Under "age" the HBM
+    pools are float8 device buffers too, next to the bf16 ring."""
     rows = {}
     for ctx in CONTEXTS:
         res = bench.compile_cases(
             LAYERS, ctx, 1, mode, "lru", shape=bench.SMALL, target="h200", what=["step"],
-            fp8="host",
+            fp8=fp8[0], fp8_age=fp8[1],
         )  # fmt: skip
         rows[ctx] = {"step": res["step"][1]}
         text = res["step"][0].hlo_text
         assert re.search(r"f8e4m3fn\[[^\]]*\]\{[^}]*S\(5\)", text), "no FP8 host buffer"
+        # an FP8 device pool [layers, slots, block, kv_heads, head_dim]: no memory space
+        device_fp8 = re.search(r"f8e4m3fn\[\d+,\d+,16,\d+,\d+\]\{[\d,]+\}[ ,)]", text)
+        assert bool(device_fp8) == (fp8[0] == "age"), "FP8 HBM pool"
     _assert_must_hold(rows, "step", bench)
 
 

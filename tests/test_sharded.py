@@ -38,24 +38,33 @@ def sparse_fp8():
     return _worker("mesh", "--policy", "lru", "--attention", "sparse", "--fp8", "host")
 
 
-def test_sharded_exact_decoding_gives_one_devices_tokens(exact_lru):
+@pytest.fixture(scope="module")
+def exact_age():
+    return _worker("mesh", "--policy", "lru", "--fp8", "age", "--fp8-age", "16")
+
+
+def test_sharded_exact_decoding_gives_one_devices_tokens(exact_lru, exact_age):
     """4 data x 2 model shards (sequences and KV heads), tensor-parallel model: the greedy
-    tokens equal the one-device decoder's."""
-    r = exact_lru
-    assert r["devices"] == 8 and r["shards"] == 8
-    assert r["tokens"] == r["reference"]
+    tokens equal the one-device decoder's, with FP8 off and with FP8 by age (a block's
+    quantization is its own, wherever it lives)."""
+    for r in (exact_lru, exact_age):
+        assert r["devices"] == 8 and r["shards"] == 8
+        assert r["tokens"] == r["reference"]
 
 
-def test_every_shard_keeps_its_pools_memory_kind(exact_lru, sparse_fp8):
-    for r in (exact_lru, sparse_fp8):
+def test_every_shard_keeps_its_pools_memory_kind(exact_lru, sparse_fp8, exact_age):
+    for r in (exact_lru, sparse_fp8, exact_age):
         assert r["kinds_after_prefill"] == ["pinned_host"]
         assert r["pool_kinds"] == {
             "host_k": ["pinned_host"],
             "host_v": ["pinned_host"],
             "hbm_k": ["device"],
             "hbm_v": ["device"],
+            "ring_k": ["device"],
+            "ring_v": ["device"],
         }
-    assert sparse_fp8["host_dtype"] == "float8_e4m3fn"
+    assert sparse_fp8["host_dtype"] == "float8_e4m3fn" == exact_age["host_dtype"]
+    assert sparse_fp8["hbm_dtype"] == "float32" and exact_age["hbm_dtype"] == "float8_e4m3fn"
 
 
 def test_migrations_happen_at_each_devices_phase(sparse_fp8):

@@ -7,6 +7,7 @@ import json
 from jaxkv import cost
 from jaxkv.config import AnnealConfig, HardwareProfile, check_number
 from jaxkv.presets import NOW_SPREAD, NOW_WINDOW
+from jaxkv.quant import FP8_MODES
 from jaxkv.sim import trace as tr
 from jaxkv.sim.checks import ARG_BOUNDS, check_args, check_policies
 from jaxkv.sim.simulate import DUAL_WINDOW, FOLLOW_WINDOW, simulate
@@ -162,10 +163,11 @@ def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> 
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--fp8",
-        choices=("off", "host"),
+        choices=FP8_MODES,
         default="off",
         help="host: host-tier blocks are FP8 with per-block scales (jaxkv.quant), so they cross "
-        "the link at about half the bytes",
+        "the link at about half the bytes; age: every placed block is FP8 in both tiers (the "
+        "decode loop's full-precision ring of recent blocks is not simulated)",
     )
 
 

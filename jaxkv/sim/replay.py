@@ -44,9 +44,13 @@ class Setup:
     demote_cost: float = 0.0
     keep_fetched: bool = False
     host_block_bytes: float | None = None  # a host-tier block's link bytes (FP8); None: as HBM
+    hbm_block_bytes: float | None = None  # a placed block's HBM bytes (fp8="age"); None: bf16
 
     @property
     def block_bytes(self) -> float:
+        """Bytes of a placed block of one layer as HBM reads it."""
+        if self.hbm_block_bytes is not None:
+            return float(self.hbm_block_bytes)
         return float(self.token_bytes * self.block_size)
 
     @property

@@ -353,13 +353,17 @@ def _setup(
 ):
     """(geometry, Setup): the HBM pool per layer from the budget (`cost.pool_capacity`, the
     geometry it sizes), at most the trace's blocks; under fp8="host" host blocks move at
-    `jaxkv.quant.fp8_block_bytes`."""
+    `jaxkv.quant.fp8_block_bytes`, under fp8="age" every placed block is priced so in both
+    tiers (modeled: the decode loop's full-precision ring of recent blocks, `fp8_age`, is not
+    simulated; its blocks are priced as FP8 too)."""
     geometry, capacity_blocks = cost.pool_capacity(
         geometry, hbm_budget, trace.num_layers, trace.block_size, capacity_blocks
     )
-    host_bytes = None
-    if fp8 == "host":
+    host_bytes = hbm_bytes = None
+    if fp8 in ("host", "age"):
         host_bytes = float(fp8_block_bytes(trace.block_size, geometry.kv_heads, geometry.head_dim))
+    if fp8 == "age":
+        hbm_bytes = host_bytes
     setup = Setup(
         trace.prompt_len,
         trace.block_size,
@@ -372,6 +376,7 @@ def _setup(
         float(demote_cost),
         bool(keep_fetched),
         host_bytes,
+        hbm_bytes,
     )
     return geometry, setup
 
