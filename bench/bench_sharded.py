@@ -7,7 +7,12 @@ modeled time; `jaxkv.sharded.summarize`), the largest number of devices migratin
 step, and the wall time per step on this machine (simulated devices share its cores: a
 correctness run, not a speed figure).
 
+With `--plan-over device,model` it also runs the mesh with one plan per model group (the
+devices of a data row pool their statistics over the "model" axis, `plan_over="model"`) next
+to one plan per device.
+
     python bench/bench_sharded.py [--attention exact|sparse] [--policy lru] [--shared-link model]
+        [--plan-over device,model]
 """
 
 from __future__ import annotations
@@ -44,8 +49,16 @@ def main(argv=None) -> int:
         "--shared-link", default=None, choices=("data", "model"),
         help="the devices along this mesh axis share one host link",
     )  # fmt: skip
+    ap.add_argument(
+        "--plan-over", default="device",
+        help="device and/or model (comma separated): one plan per device or per model group",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    plan_overs = args.plan_over.split(",")
+    bad = [p for p in plan_overs if p not in ("device", "model")]
+    if bad:
+        ap.error(f"--plan-over {args.plan_over!r}: expected device and/or model, got {bad}")
     model = tiny_model(0)
     _, params = nnx.split(model)
     B, new = 4, args.new_tokens
@@ -68,6 +81,7 @@ def main(argv=None) -> int:
             run="1 device",
             mesh="1x1",
             stagger=None,
+            plan_over=None,
             tokens_equal=True,
             modeled_tokens_per_s=s1["modeled_tokens_per_s"],
             hbm_hit_rate=s1["hbm_hit_rate"],
@@ -77,7 +91,7 @@ def main(argv=None) -> int:
         )
     )
     mesh = sharded.make_mesh(4, 2)
-    for stagger in (0, 1):
+    for plan_over, stagger in [(p, st) for p in plan_overs for st in (0, 1)]:
         dec = sharded.ShardedDecoder(
             model,
             cfg,
@@ -87,6 +101,7 @@ def main(argv=None) -> int:
             max_new_tokens=new,
             profile="h200-pcie",
             shared_link=args.shared_link,
+            plan_over=plan_over,
         )
         sp = dec.shard_params(params)
         state = dec.generate(sp, dec.prefill(sp, prompts, lens), until=2)  # compile
@@ -99,9 +114,10 @@ def main(argv=None) -> int:
         moved = np.asarray(s["moved_per_device_step"])
         rows.append(
             dict(
-                run=f"mesh, stagger {stagger}",
+                run=f"stagger {stagger}, plan/{plan_over}",
                 mesh="4x2",
                 stagger=stagger,
+                plan_over=plan_over,
                 tokens_equal=bool(np.array_equal(dec.tokens(state), ref)),
                 modeled_tokens_per_s=s["modeled_tokens_per_s"],
                 hbm_hit_rate=s["hbm_hit_rate"],
@@ -131,12 +147,12 @@ def main(argv=None) -> int:
         f"shared link: {args.shared_link or 'none (one per device)'}"
     )
     print(
-        f"{'run':<18} {'mesh':>5} {'same tokens':>11} {'model tok/s':>12} {'hit':>6} "
+        f"{'run':<24} {'mesh':>5} {'same tokens':>11} {'model tok/s':>12} {'hit':>6} "
         f"{'moved':>6} {'max movers/step':>15} {'wall ms/step':>12}"
     )
     for r in rows:
         print(
-            f"{r['run']:<18} {r['mesh']:>5} {str(r['tokens_equal']):>11} "
+            f"{r['run']:<24} {r['mesh']:>5} {str(r['tokens_equal']):>11} "
             f"{r['modeled_tokens_per_s']:>12.0f} {r['hbm_hit_rate']:>6.3f} "
             f"{r['migrated_blocks']:>6} {r['max_devices_migrating']:>15} "
             f"{r['wall_ms_per_step']:>12.1f}"

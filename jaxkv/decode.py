@@ -15,13 +15,12 @@ write, the block selection, the host read and the attention.
 
 What a plan does depends on the policy. Most (static, lru, anneal, anneal+reuse) return a
 target placement that `plan_moves` bounds to a migration budget and the cache migrates to in
-bulk. A `follow` policy ("anneal+reuse+follow", `jaxkv.policies.Follow`) only sets a
-target; then at every step, inside each layer's body, the vector rule
-`jaxkv.policies.follow_moves` promotes the host blocks the layer reads that the target marks
-for HBM, from the copies the read has just fetched (no second link read), and demotes, to make
-room, resident blocks the target leaves out; the moves of all layers are applied in one bulk
-migration after the layers (`jaxkv.decode_follow`). Nothing heavier than that rule runs on a
-layer's critical path.
+bulk. A `follow` policy ("anneal+reuse+follow", `jaxkv.policies.Follow`) only sets a target;
+at every step each layer's body promotes, by the vector rule `jaxkv.policies.follow_moves`,
+the host blocks it reads that the target marks for HBM, from the copies the read just fetched
+(no second link read), and demotes resident blocks the target leaves out to make room; all
+layers' moves are applied in one bulk migration after the layers (`jaxkv.decode_follow`).
+Nothing heavier than that rule runs on a layer's critical path.
 
 DecodeState nests the sampling state, the placement state (window bookkeeping and the policy's
 own state), the read statistics and the metrics: per-step bytes read from each tier, the
@@ -404,6 +403,7 @@ class Decoder:
         sampled = self._sample(state.sampling, logits, active)
         step = state.sampling.step
         state, hbm_b, host_b = record_step(c, state, cache, sampled, reads, promoted, demoted)
+        state = self._shared_statistics(state)  # outside any branch
         moved = jnp.zeros((L,), jnp.int32)
         if plan == "cond":  # decided per device (jaxkv.sharded), after every collective
             state, moved = jax.lax.cond(due, self._window, lambda s: (s, moved), state)
@@ -519,6 +519,9 @@ class Decoder:
         stats, step = state.statistics.blocks, state.sampling.step
         obs = observation(state.cache, stats, step, self.cache_config, self.model_config)
         return self.policy.plan(state.placement.policy, obs, self.env)
+
+    def _shared_statistics(self, state: DecodeState) -> DecodeState:  # jaxkv.sharded's hook
+        return state
 
     def _window(self, state: DecodeState) -> tuple[DecodeState, jax.Array]:
         """The window boundary, between steps: observe -> plan (-> migrate -> compact), and

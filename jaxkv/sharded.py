@@ -21,8 +21,9 @@ configured memory kind ("pinned_host" on a GPU, also on CPU) and stay so across 
 the shard_map the cache's transfers place values by memory space (`jaxkv.transfer.to_kind`).
 
 Plans. Each device plans its own shard from the attention mass its own heads saw (one plan per
-device; one plan over the mesh would need the statistics all-gathered before every plan, and
-the devices of one "model" group read different heads, so their hot blocks differ). Windows
+device: the devices of one "model" group read different heads, so their hot blocks differ), or,
+with `plan_over="model"`, the devices of a model group plan from their statistics pooled over
+the axis (one all-reduce a step) and so place their shards alike. Windows
 are staggered: device d (row-major over data, model) starts its first window `d x stagger`
 steps (mod W) late, so with `stagger > 0` the devices' migrations do not hit shared links in
 the same step (the seed's phase offsets). Whether a window ends is decided on each device
@@ -120,12 +121,37 @@ class _PerDeviceDecoder(Decoder):
     it read and migrate over one link, so each one's modeled link time is the group's bytes
     (a `psum` over that axis, outside any branch). Everything else is the first sibling's."""
 
-    def _with_siblings(self, siblings: tuple, index: tuple, model_axis: int, shared=None):
+    def _with_siblings(
+        self, siblings: tuple, index: tuple, model_axis: int, shared=None, plan_axis=None
+    ):
         object.__setattr__(self, "_siblings", siblings)
         object.__setattr__(self, "_index", index)
         object.__setattr__(self, "_model_axis", model_axis)
         object.__setattr__(self, "_shared", shared)
+        object.__setattr__(self, "_plan_axis", plan_axis)
         return self
+
+    def _shared_statistics(self, state):
+        """`plan_over="model"`: every device of a model group plans from the group's
+        statistics (the mean of the decayed reads and mass, the latest read, the longest
+        streak), one all-reduce a step outside any branch, so the group's plans are one."""
+        if self._plan_axis is None:
+            return state
+        ax, st = self._plan_axis, state.statistics.blocks
+
+        def pool(name, x):
+            if x is None:
+                return None
+            if name in ("last_read", "streak"):
+                return jax.lax.pmax(x, ax)
+            return jax.lax.pmean(x, ax)
+
+        fields = {
+            f.name: pool(f.name, getattr(st, f.name))
+            for f in dataclasses.fields(st)
+            if f.name != "decay"
+        }
+        return replace(state, statistics=replace(state.statistics, blocks=replace(st, **fields)))
 
     def _choice(self):
         d = jax.lax.axis_index(DATA) * self._model_axis + jax.lax.axis_index(MODEL)
@@ -165,6 +191,11 @@ class ShardedDecoder:
         axis share one host link (one PCIe switch, one host's memory), so a step's link time
         is their bytes together; this is where `stagger` pays. Priced in the modeled time;
         each device still plans as if its link were its own.
+      plan_over: "device" (each device plans its shard from its own heads' statistics) or
+        "model": the devices of a model group (one data row: the same sequences, different KV
+        heads) plan from their statistics pooled over the "model" axis, so they place their
+        shards alike; `stagger` then offsets rows, not devices. bench/RESULTS.md, section 11,
+        measures the two.
       **kwargs: `Decoder`'s (max_new_tokens, profile, sampler, eos_id, impl, ...).
     """
 
@@ -178,6 +209,7 @@ class ShardedDecoder:
         stagger: int = 0,
         link_bandwidths=None,
         shared_link: str | None = None,
+        plan_over: str = "device",
         **kwargs,
     ):
         from flax import nnx
@@ -222,8 +254,10 @@ class ShardedDecoder:
         self.model_config, self.cache_config, self.placement = mc, cache_config, placement
         if shared_link not in (None, DATA, MODEL):
             raise ValueError(f"shared_link={shared_link!r}: expected None, {DATA!r} or {MODEL!r}")
-        self.link_bandwidths, self.shared_link = None, shared_link
-        if link_bandwidths is None and shared_link is None:
+        if plan_over not in ("device", MODEL):
+            raise ValueError(f"plan_over={plan_over!r}: expected 'device' or {MODEL!r}")
+        self.link_bandwidths, self.shared_link, self.plan_over = None, shared_link, plan_over
+        if link_bandwidths is None and shared_link is None and plan_over == "device":
             self.local = Decoder(local_model, local_cache, placement, **kwargs)
         else:
             self.local = self._per_device(local_model, local_cache, link_bandwidths, kwargs)
@@ -258,7 +292,10 @@ class ShardedDecoder:
         dec = _PerDeviceDecoder(
             local_model, local_cache, self.placement, profile=profiles[0], **kwargs
         )
-        return dec._with_siblings(siblings, index, self.mesh.shape[MODEL], self.shared_link)
+        plan_axis = MODEL if self.plan_over == MODEL else None
+        return dec._with_siblings(
+            siblings, index, self.mesh.shape[MODEL], self.shared_link, plan_axis
+        )
 
     # ---- placement on the mesh --------------------------------------------------------------
 
@@ -338,8 +375,14 @@ class ShardedDecoder:
 
     def phases(self) -> list[int]:
         """Each device's window phase: steps its first window is delayed by."""
-        w = self.placement.window
-        return [(d * self.stagger) % w for d in range(self.num_devices)]
+        nm = self.mesh.shape[MODEL]
+        return [self._phase(d // nm, d % nm) for d in range(self.num_devices)]
+
+    def _phase(self, row, col):
+        """The window phase of the device at (row, col) of the mesh (ints or traced): the
+        stagger times its index, or its row's under plan_over="model"."""
+        d = row if self.plan_over == MODEL else row * self.mesh.shape[MODEL] + col
+        return (d * self.stagger) % self.placement.window
 
     # ---- the per-device functions --------------------------------------------------------------
 
@@ -356,13 +399,11 @@ class ShardedDecoder:
         return self._prefills[T]
 
     def _build_prefill(self, T: int):
-        local, mesh, nm = self.local, self.mesh, self.mesh.shape[MODEL]
-        w, stagger = self.placement.window, self.stagger
+        local, mesh = self.local, self.mesh
 
         def body(params, prompts, lengths, key):
             st = local._prefill_impl(params, prompts[0], lengths[0], jax.random.wrap_key_data(key))
-            d = jax.lax.axis_index(DATA) * nm + jax.lax.axis_index(MODEL)
-            phase = (d * stagger) % w
+            phase = self._phase(jax.lax.axis_index(DATA), jax.lax.axis_index(MODEL))
             pl = st.placement
             st = replace(st, placement=replace(pl, since_plan=pl.since_plan - phase))
             return self._stack(st)

@@ -26,6 +26,7 @@ def main() -> int:
     ap.add_argument("--stagger", type=int, default=1)
     ap.add_argument("--link-gbps", default=None, help="per-device link GB/s, comma separated")
     ap.add_argument("--shared-link", default=None, choices=("data", "model"))
+    ap.add_argument("--plan-over", default="device", choices=("device", "model"))
     args = ap.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -77,6 +78,7 @@ def main() -> int:
         max_new_tokens=new,
         link_bandwidths=bws,
         shared_link=args.shared_link,
+        plan_over=args.plan_over,
         profile="h200-pcie",
     )
     sp = dec.shard_params(params)
@@ -84,6 +86,8 @@ def main() -> int:
     kinds0 = sorted({s.data.sharding.memory_kind for s in state.cache.host_k.addressable_shards})
     state = dec.generate(sp, state)
     summary = sharded.summarize(dec, state)
+    tiers = sharded._host(state.cache.tier)  # [data, model, layers, batch, max_blocks]
+    mass = sharded._host(state.statistics.blocks.mass_ema)  # [data, model, layers, N]
     pools = {
         name: sorted(
             {s.data.sharding.memory_kind for s in getattr(state.cache, name).addressable_shards}
@@ -103,6 +107,9 @@ def main() -> int:
                 pool_kinds=pools,
                 host_dtype=str(state.cache.host_k.dtype),
                 hbm_dtype=str(state.cache.hbm_k.dtype),
+                # per data row: do its model devices place their shards alike?
+                rows_place_alike=[bool((t == t[0]).all()) for t in tiers],
+                rows_share_statistics=[bool((m == m[0]).all()) for m in mass],
                 shards=len(state.cache.host_k.addressable_shards),
                 phases=summary["phases"],
                 window=pl.window,

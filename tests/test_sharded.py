@@ -81,6 +81,23 @@ def test_migrations_happen_at_each_devices_phase(sparse_fp8):
         assert ((steps - (W - 1) - phase) % W == 0).all(), (d, steps.tolist())
     movers = (moved > 0).sum(axis=0)
     assert movers.max() < 8
+    assert not any(r["rows_share_statistics"])  # each device plans from its own heads
+
+
+def test_one_plan_per_model_group():
+    """plan_over="model": the two model devices of each data row pool their statistics, so
+    they place their shards alike (sparse attention: their own selections differ; with one
+    plan per device, `sparse_fp8`, their statistics differ), and stagger=1 offsets the rows'
+    phases, not the devices'."""
+    r = _worker("mesh", "--policy", "anneal+reuse", "--attention", "sparse", "--plan-over", "model")
+    assert r["phases"] == [d // 2 % 4 for d in range(8)]
+    assert all(r["rows_share_statistics"]) and all(r["rows_place_alike"])
+    W, moved = r["window"], np.asarray(r["moved"])
+    assert moved.any()
+    np.testing.assert_array_equal(moved[0::2], moved[1::2])  # a row's devices move together
+    for d, phase in enumerate(r["phases"]):
+        steps = np.flatnonzero(moved[d])
+        assert ((steps - (W - 1) - phase) % W == 0).all(), (d, steps)
 
 
 def test_each_device_prices_its_own_link():
