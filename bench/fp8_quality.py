@@ -1,17 +1,21 @@
-"""What an FP8 host tier (`CacheConfig(fp8="host")`) costs in accuracy and saves in bytes.
+"""What FP8 KV blocks cost in accuracy and save in bytes, for each FP8 policy of
+`CacheConfig`: "host" (every host-tier block FP8), "age:N" (every sealed block FP8 in both
+tiers but the last N tokens, read at full precision from the ring) and "age:0" (every sealed
+block FP8, the tail alone at full precision).
 
 Held-out text (the stdlib files models/train_tiny.py holds out) is cut into `--batch` windows
 of `--prompt-len` + `--steps` + 1 tokens. Each window's prompt is prefilled and the rest is
 teacher-forced (`Decoder.score`), once with FP8 off (the reference: with exact attention every
-placement gives the all-HBM logits) and once with FP8 on, under the same placement policy and
-HBM size. Per decode step: KL(reference || FP8) of the next-token distributions, top-1
+placement gives the all-HBM logits) and once per FP8 policy, under the same placement policy
+and HBM size. Per decode step: KL(reference || FP8) of the next-token distributions, top-1
 agreement, and the log-likelihood of the true next token, whence the perplexity delta.
 
-The FP8 share is set by the HBM size: every block outside HBM is FP8, so `--hbm tails` (HBM
-holds only the tails being written) puts every sealed block in FP8, the accuracy of quantizing
-everything sealed. Bytes: the decode loop's own metrics (KV bytes read from each tier per step
-at their real sizes) and its modeled tokens/s on `--profile`, FP8 against off in the same run.
-Modeled figures leave out planning time and transfer overheads.
+Under "host" the FP8 share is set by the HBM size: every block outside HBM is FP8, so `--hbm
+tails` (HBM holds only the tails being written) puts every sealed block in FP8. Under "age"
+it is set by the age alone (placement changes nothing). Bytes: the decode loop's own metrics
+(KV bytes read from each tier per step at their real sizes) and its modeled tokens/s on
+`--profile`, FP8 against off in the same run. Modeled figures leave out planning time and
+transfer overheads.
 
   python bench/fp8_quality.py                      # default model, bf16, HBM 50% / 25% / tails
   python bench/fp8_quality.py --model tests/models/fixtures/llama3 --json
@@ -62,16 +66,28 @@ def heldout_windows(tokenizer, vocab: int, batch: int, length: int, seed: int = 
     return ids.reshape(batch, length).astype(np.int32)
 
 
+def parse_fp8(spec: str) -> tuple[str, int]:
+    """(fp8, fp8_age) of an FP8 policy name: "off", "host" or "age:N"."""
+    if spec in ("off", "host"):
+        return spec, 0
+    mode, _, age = spec.partition(":")
+    if mode != "age" or not age.isdigit():
+        raise ValueError(f"FP8 policy {spec!r}: expected off, host or age:N (N tokens)")
+    return "age", int(age)
+
+
 def _run(model, params, windows, prompt_len, steps, hbm, policy, attention, fp8, profile, bs):
     mc = model.config
     batch = windows.shape[0]
+    mode, age = parse_fp8(fp8)
     cfg = CacheConfig.for_model(
         mc,
         batch=batch,
         max_len=prompt_len + steps + 1,
         block_size=bs,
         hbm_capacity=batch if hbm == "tails" else float(hbm),
-        fp8=fp8,
+        fp8=mode,
+        fp8_age=age,
     )
     placement = PlacementConfig(policy=policy, window=8, attention=attention, topk=0.25)
     dec = Decoder(model, cfg, placement, max_new_tokens=steps + 1, profile=profile)
@@ -80,14 +96,25 @@ def _run(model, params, windows, prompt_len, steps, hbm, policy, attention, fp8,
         params, state, jnp.asarray(windows[:, prompt_len : prompt_len + steps])
     )
     s = summarize(state)
-    m = state.metrics
+    m = jax.device_get(state.metrics)
+    hbm_b, host_b = float(m.hbm_bytes[:steps].sum()), float(m.host_bytes[:steps].sum())
+    total, hbm_reads = float(m.total_reads), float(m.hbm_reads)
+    if cfg.fp8_in("hbm"):  # reads from the full-precision ring, from the HBM bytes
+        ring = (hbm_b - hbm_reads * cfg.hbm_block_bytes) / (cfg.block_bytes - cfg.hbm_block_bytes)
+        fp8_share = 1.0 - ring / total
+    else:
+        fp8_share = (total - hbm_reads) / total if cfg.fp8_in("host") else 0.0
     return dict(
         logits=np.asarray(jax.device_get(logits), np.float32),  # [steps, batch, vocab]
-        hbm_bytes=float(np.asarray(m.hbm_bytes)[:steps].sum()),
-        host_bytes=float(np.asarray(m.host_bytes)[:steps].sum()),
+        hbm_bytes=hbm_b,
+        host_bytes=host_b,
+        fp8_share=fp8_share,
         tokens_per_s=s["modeled_tokens_per_s"],
         hbm_hit_rate=s["hbm_hit_rate"],
         hbm_blocks=cfg.hbm_blocks,
+        # HBM the KV takes per layer: the pool at its storage bytes, plus fp8="age"'s ring
+        hbm_footprint=cfg.hbm_blocks * cfg.hbm_block_bytes
+        + cfg.batch * cfg.ring_blocks * cfg.block_bytes,
         total_blocks=cfg.total_blocks,
         host_block_bytes=cfg.host_block_bytes,
         block_bytes=cfg.block_bytes,
@@ -125,7 +152,8 @@ def compare(full: dict, ref: dict, q: dict, truth: np.ndarray) -> dict:
         ppl_ref=ppl_ref,
         ppl_fp8=ppl_q,
         ppl_delta_pct=100.0 * (ppl_q / ppl_ref - 1.0),
-        fp8_read_share=1.0 - q["hbm_hit_rate"],
+        fp8_read_share=q["fp8_share"],
+        hbm_hit_rate=q["hbm_hit_rate"],
         link_bytes_per_step_ref=ref["host_bytes"] / truth.shape[0],
         link_bytes_per_step_fp8=q["host_bytes"] / truth.shape[0],
         link_traffic_cut_pct=100.0 * (1.0 - q["host_bytes"] / max(ref["host_bytes"], 1.0)),
@@ -134,6 +162,7 @@ def compare(full: dict, ref: dict, q: dict, truth: np.ndarray) -> dict:
         tokens_per_s_fp8=q["tokens_per_s"],
         tokens_per_s_gain=q["tokens_per_s"] / ref["tokens_per_s"],
         hbm_blocks=q["hbm_blocks"],
+        hbm_footprint_ratio=q["hbm_footprint"] / ref["hbm_footprint"],
         total_blocks=q["total_blocks"],
     )
 
@@ -150,10 +179,19 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="static,lru")
     ap.add_argument("--attention", default="exact,sparse", help="exact and/or sparse (top 25%%)")
     ap.add_argument("--profile", default="h200-pcie")
+    ap.add_argument(
+        "--fp8", default="host,age:256,age:0", help="FP8 policies: host and/or age:N (N tokens)"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     for name in ("batch", "prompt_len", "steps", "block_size"):
         check_number(f"--{name.replace('_', '-')}", getattr(args, name), integer=True, low=1)
+    fp8s = args.fp8.split(",")
+    for f in fp8s:
+        if parse_fp8(f)[0] == "off":
+            raise ValueError("--fp8 off: the reference runs anyway; name host and/or age:N")
+        if parse_fp8(f)[1] % args.block_size:
+            raise ValueError(f"--fp8 {f}: N must be a multiple of --block-size={args.block_size}")
     hbms = args.hbm.split(",")
     for h in hbms:
         if h != "tails":
@@ -189,8 +227,12 @@ def main(argv=None) -> int:
             full[a] = _run(model, params, windows, args.prompt_len, args.steps, 1.0, "static", a,
                            "off", args.profile, args.block_size)  # fmt: skip
         args_ = (model, params, windows, args.prompt_len, args.steps, h, pol, a)
-        ref, q = (_run(*args_, fp8, args.profile, args.block_size) for fp8 in ("off", "host"))
-        rows.append(dict(attention=a, hbm=h, policy=pol, **compare(full[a], ref, q, truth)))
+        ref = _run(*args_, "off", args.profile, args.block_size)
+        for f in fp8s:
+            q = _run(*args_, f, args.profile, args.block_size)
+            rows.append(
+                dict(attention=a, hbm=h, policy=pol, fp8=f, **compare(full[a], ref, q, truth))
+            )
     out = dict(
         model=args.model,
         geometry=f"{mc.num_layers} layers, {mc.num_kv_heads} kv heads x {mc.head_dim}",
@@ -209,25 +251,29 @@ def main(argv=None) -> int:
         print(json.dumps(out, indent=1))
         return 0
     print(
-        f"FP8 host tier vs {args.dtype}, {out['model']} ({out['geometry']}), {out['text']}, "
+        f"FP8 KV blocks vs {args.dtype}, {out['model']} ({out['geometry']}), {out['text']}, "
         f"batch {args.batch} x ({args.prompt_len} prompt + {args.steps} teacher-forced steps); "
         f"{out['device']}, jax {out['jax']}; modeled on {args.profile}"
     )
     head = (
-        f"{'attn':>6} {'HBM':>6} {'policy':>8} {'FP8 reads':>9} {'KL mean':>9} {'KL p99':>9} "
+        f"{'attn':>6} {'HBM':>6} {'policy':>8} {'fp8':>8} {'FP8 reads':>9} {'KL mean':>9} "
+        f"{'KL p99':>9} "
         f"{'KL floor':>9} "
         f"{'top-1':>7} "
-        f"{'ppl ref':>8} {'ppl fp8':>8} {'dppl%':>7} {'link cut':>8} {'KV cut':>7} {'tok/s x':>8}"
+        f"{'ppl ref':>8} {'ppl fp8':>8} {'dppl%':>7} {'link cut':>8} {'KV cut':>7} {'tok/s x':>8} "
+        f"{'HBM mem':>7}"
     )
     print(head)
     for r in rows:
         print(
-            f"{r['attention']:>6} {r['hbm']:>6} {r['policy']:>8} {r['fp8_read_share']:>9.1%} "
+            f"{r['attention']:>6} {r['hbm']:>6} {r['policy']:>8} {r['fp8']:>8} "
+            f"{r['fp8_read_share']:>9.1%} "
             f"{r['kl_mean']:>9.2e} "
             f"{r['kl_p99']:>9.2e} {r['kl_floor_mean']:>9.2e} {r['top1_agreement']:>7.2%} "
             f"{r['ppl_ref']:>8.3f} "
             f"{r['ppl_fp8']:>8.3f} {r['ppl_delta_pct']:>+7.3f} {r['link_traffic_cut_pct']:>7.1f}% "
-            f"{r['kv_traffic_cut_pct']:>6.1f}% {r['tokens_per_s_gain']:>8.3f}"
+            f"{r['kv_traffic_cut_pct']:>6.1f}% {r['tokens_per_s_gain']:>8.3f} "
+            f"{r['hbm_footprint_ratio']:>6.2f}x"
         )
     print(
         "KL, top-1 and ppl against the all-HBM full-precision cache. 'KL floor': the same "
@@ -236,7 +282,11 @@ def main(argv=None) -> int:
     )
     print(
         "(the seed reports 28% less memory traffic from FP8 for older tokens; 'KV cut' is "
-        "this run's cut in KV bytes read per step, 'link cut' the host tier's)"
+        "this run's cut in KV bytes read per step, 'link cut' the host tier's; 'FP8 reads' the "
+        "share of block reads served in FP8; fp8 age:N keeps the last N tokens at full "
+        "precision, age:0 only the tail; 'HBM mem' the HBM the KV takes against FP8 off: the "
+        "pool at its storage bytes plus age's full-precision ring, which comes on top of "
+        "hbm_capacity)"
     )
     return 0
 

@@ -321,9 +321,16 @@ def main(argv=None) -> int:
         "options): the decode step at 32k sparse under every policy, at 8k / 32k / 128k for "
         "static sparse and exact, migrate and compact at 8k / 32k / 128k (about 2.5 min here)",
     )
+    ap.add_argument(
+        "--fp8", default="off", help="the cache's FP8 policy: off, host or age:N (N tokens)"
+    )
     ap.add_argument("--json", action="store_true", help='print {"cases": [...]} as JSON')
     ap.add_argument("--check", action="store_true", help="exit 1 if a must-hold check fails")
     args = ap.parse_args(argv)
+    fp8, _, age = args.fp8.partition(":")
+    if fp8 not in ("off", "host", "age") or (age and (fp8 != "age" or not age.isdigit())):
+        ap.error(f"--fp8 {args.fp8!r}: expected off, host or age:N")
+    fp8_age = int(age or 0)
     if args.quick:
         args.layers, args.contexts, args.batches = 2, "8k,32k", "1"
     contexts = [parse_tokens(x) for x in args.contexts.split(",")]
@@ -357,8 +364,9 @@ def main(argv=None) -> int:
     t_all = time.perf_counter()
     for ctx, b, mode, pol, what, shape_only in tqdm(jobs, file=sys.stderr, desc="compiling"):
         res = compile_cases(
-            args.layers, ctx, b, mode, pol, shape=shape, target=args.target, what=what
-        )
+            args.layers, ctx, b, mode, pol, shape=shape, target=args.target, what=what,
+            fp8=fp8, fp8_age=fp8_age,
+        )  # fmt: skip
         for fn, (mod, a) in res.items():
             rows.append(
                 dict(
@@ -368,6 +376,7 @@ def main(argv=None) -> int:
                     mode="-" if shape_only else mode,
                     policy="-" if shape_only else pol,
                     layers=args.layers,
+                    fp8=args.fp8,
                     **{f: a[f] for f in FIELDS},
                     host_reads=a["scope_h2d"],
                     read_overlap=min(gc.overlap(mod.hlo_text), default=None),

@@ -305,10 +305,12 @@ def tiered_attention(
     if selected is None:
         selected = select_blocks(q, cache, layer, lengths, placement, window=window)
     tier = cache.tier[layer]
-    in_ring = ring_window(c, cache.lengths)  # all False but under fp8="age"
-    read_ring = selected & in_ring
-    read_pool = selected & (tier == TIER_HBM) & ~in_ring
-    read_host = selected & (tier == TIER_HOST) & ~in_ring
+    read_pool, read_host = selected & (tier == TIER_HBM), selected & (tier == TIER_HOST)
+    read_ring = jnp.zeros_like(selected)
+    if c.ring_blocks:  # fp8="age": the recent blocks are read from the ring alone
+        in_ring = ring_window(c, cache.lengths)
+        read_ring = selected & in_ring
+        read_pool, read_host = read_pool & ~in_ring, read_host & ~in_ring
     slot = cache.slot[layer]
     n_stage = staging_blocks(placement, c.max_blocks)
     scale_f = float(1.0 / math.sqrt(D) if scale is None else scale)
@@ -359,7 +361,7 @@ def tiered_attention(
             blse = jnp.where(read_ring[:, None, :], blses[1], blse)
         safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
         mass = jnp.where(selected[:, None], jnp.exp(blse - safe[..., None]), 0.0).sum(axis=1)
-    read_hbm = read_pool | read_ring  # the ring is HBM too
+    read_hbm = read_pool | read_ring if c.ring_blocks else read_pool  # the ring is HBM too
     stats = AttentionStats(read_hbm=read_hbm, read_host=read_host, mass=mass)
     return (out, stats, (sk, sv, stable)) if return_staging else (out, stats)
 

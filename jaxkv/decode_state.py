@@ -152,10 +152,10 @@ def record_step(
         step,
         state.cache.sealed.reshape(L, N),
     )
-    ring = read_hbm & ring_window(c, state.cache.lengths)[None]  # fp8="age": full precision
-    hbm_b = (read_hbm & ~ring).sum(axis=(1, 2)) * float(c.hbm_block_bytes) + ring.sum(
-        axis=(1, 2)
-    ) * float(c.block_bytes)  # [L]
+    hbm_b = read_hbm.sum(axis=(1, 2)) * float(c.hbm_block_bytes)  # [L]
+    if c.ring_blocks:  # fp8="age": the ring's reads are at full precision
+        ring = (read_hbm & ring_window(c, state.cache.lengths)[None]).sum(axis=(1, 2))
+        hbm_b += ring * float(c.block_bytes - c.hbm_block_bytes)
     host_b = read_host.sum(axis=(1, 2)) * float(c.host_block_bytes)  # FP8 host blocks: less
     n_hbm, n_all = read_hbm.sum().astype(jnp.float32), read.sum().astype(jnp.float32)
     m = state.metrics
