@@ -17,7 +17,7 @@ from pallas_kernels.blocked_attention import (
     blocked_attention,
     blocked_attention_reference,
 )
-from pallas_kernels.common import race_checked
+from pallas_kernels.common import hopper_available, race_checked
 
 F8 = jnp.float8_e4m3fn
 # Relative to the largest |out| (out scales with v_scale); lse absolute. bf16 / fp16: p is
@@ -267,3 +267,21 @@ def test_compiles_for_h200(dtype):
     )  # fmt: skip
     m = gc.compile_for_gpu(fn, *_abstract_args(dtype, 128, 16, 2))
     assert "mosaic_gpu" in m.hlo_text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper_available(), reason="needs a Hopper GPU (compiled kernel)")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_gpu_compiled_matches_reference(dtype):
+    """The compiled kernel on a GPU (bench/gpu_check.sh): Llama-3.1-8B heads, 300 blocks a row
+    at 50% selected, FP8 pools, against the reference."""
+    rng = np.random.default_rng(12)
+    mask = rng.random((4, 300)) < 0.5
+    mask[3] = False
+    args, scales = fp8_case(
+        12, dtype=dtype, q_heads=32, kv_heads=8, head_dim=128, max_blocks=300,
+        lengths=[1, 17, 300 * 16, 3000], mask=mask,
+    )  # fmt: skip
+    with jax.default_matmul_precision("float32"):  # XLA's GPU default for fp32 dots is tf32
+        want = blocked_attention_reference(*args, **scales)
+    assert_close(blocked_attention(*args, interpret=False, **scales), want, TOL[dtype])
