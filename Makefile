@@ -62,7 +62,7 @@ test-jax-gpu-version: $(STAMP)
 	PYTHONPATH=$$PWD/.jax-$(GPU_JAX) $(PY) -c 'import jax; print("testing with jax", jax.__version__)'
 	PYTHONPATH=$$PWD/.jax-$(GPU_JAX) $(PY) -m pytest -q -n 2 -m "not slow and not gpu" \
 	  tests/pallas_kernels tests/test_attention.py tests/test_cache.py tests/test_importance.py \
-	  tests/test_decode.py tests/test_transfer.py
+	  tests/test_decode.py tests/test_transfer.py tests/test_fp8.py tests/test_fp8_age.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
