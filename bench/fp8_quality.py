@@ -40,6 +40,7 @@ from _progress import tqdm  # noqa: E402
 
 from jaxkv.config import CacheConfig, PlacementConfig, check_number  # noqa: E402
 from jaxkv.decode import Decoder, summarize  # noqa: E402
+from jaxkv.quant import parse_policy  # noqa: E402
 
 
 def heldout_windows(tokenizer, vocab: int, batch: int, length: int, seed: int = 0) -> np.ndarray:
@@ -66,20 +67,10 @@ def heldout_windows(tokenizer, vocab: int, batch: int, length: int, seed: int = 
     return ids.reshape(batch, length).astype(np.int32)
 
 
-def parse_fp8(spec: str) -> tuple[str, int]:
-    """(fp8, fp8_age) of an FP8 policy name: "off", "host" or "age:N"."""
-    if spec in ("off", "host"):
-        return spec, 0
-    mode, _, age = spec.partition(":")
-    if mode != "age" or not age.isdigit():
-        raise ValueError(f"FP8 policy {spec!r}: expected off, host or age:N (N tokens)")
-    return "age", int(age)
-
-
 def _run(model, params, windows, prompt_len, steps, hbm, policy, attention, fp8, profile, bs):
     mc = model.config
     batch = windows.shape[0]
-    mode, age = parse_fp8(fp8)
+    mode, age = parse_policy(fp8)
     cfg = CacheConfig.for_model(
         mc,
         batch=batch,
@@ -188,9 +179,9 @@ def main(argv=None) -> int:
         check_number(f"--{name.replace('_', '-')}", getattr(args, name), integer=True, low=1)
     fp8s = args.fp8.split(",")
     for f in fp8s:
-        if parse_fp8(f)[0] == "off":
+        if parse_policy(f)[0] == "off":
             raise ValueError("--fp8 off: the reference runs anyway; name host and/or age:N")
-        if parse_fp8(f)[1] % args.block_size:
+        if parse_policy(f)[1] % args.block_size:
             raise ValueError(f"--fp8 {f}: N must be a multiple of --block-size={args.block_size}")
     hbms = args.hbm.split(",")
     for h in hbms:

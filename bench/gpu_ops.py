@@ -39,6 +39,7 @@ from jaxkv import cache as kvc  # noqa: E402
 from jaxkv import gpu_compile as gc  # noqa: E402
 from jaxkv.config import CacheConfig, PlacementConfig  # noqa: E402
 from jaxkv.decode import Decoder  # noqa: E402
+from jaxkv.quant import parse_policy  # noqa: E402
 
 POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow")
 MODES = ("exact", "sparse")
@@ -327,10 +328,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help='print {"cases": [...]} as JSON')
     ap.add_argument("--check", action="store_true", help="exit 1 if a must-hold check fails")
     args = ap.parse_args(argv)
-    fp8, _, age = args.fp8.partition(":")
-    if fp8 not in ("off", "host", "age") or (age and (fp8 != "age" or not age.isdigit())):
-        ap.error(f"--fp8 {args.fp8!r}: expected off, host or age:N")
-    fp8_age = int(age or 0)
+    try:
+        fp8, fp8_age = parse_policy(args.fp8)
+    except ValueError as e:
+        ap.error(f"--fp8: {e}")
     if args.quick:
         args.layers, args.contexts, args.batches = 2, "8k,32k", "1"
     contexts = [parse_tokens(x) for x in args.contexts.split(",")]

@@ -38,8 +38,7 @@ from jaxkv.cache_layout import (  # noqa: F401  (re-exported: callers use `jaxkv
     cache_shardings,
     check_host_pool,
     gpu_host_limit_bytes,
-    hbm_pool_blocks,
-    host_pool_blocks,
+    pool_fields,
     read_hbm,
     read_host,
     ring_ids,
@@ -122,8 +121,8 @@ def _prefill(cache: TieredKVCache, k, v, lengths) -> TieredKVCache:
     kmin, kmax = _key_bounds(kb, live)
     return replace(
         cache,
-        **hbm_pool_blocks(c, hk, hv),
-        **host_pool_blocks(c, xk, xv),
+        **pool_fields(c, "hbm", hk, hv),
+        **pool_fields(c, "host", xk, xv),
         **_prompt_ring(c, kb, vb, lengths),
         tier=jnp.broadcast_to(jnp.where(written, tier, TIER_NONE), (L, B, M)).astype(jnp.int32),
         slot=jnp.broadcast_to(slot, (L, B, M)),
@@ -365,24 +364,21 @@ def compact(cache: TieredKVCache, impl: str = "xla") -> TieredKVCache:
 def _compact(cache: TieredKVCache, *, impl: str) -> TieredKVCache:
     used = ~cache.hbm_free  # [L, S]
     src, dst, num_moves, new_of_old = compaction_moves(used)
+    S = cache.config.hbm_blocks
+    lay = jnp.arange(cache.config.num_layers)[:, None]
+    at = jnp.where(jnp.arange(src.shape[1])[None] < num_moves[:, None], dst, S)  # -> dropped
+
+    def moved(x):  # one bulk gather and scatter of x's slots
+        return x.at[lay, at].set(x[lay, src], mode="drop")
+
     if impl == "pallas":
         hbm_k = compaction(cache.hbm_k, src, dst, num_moves)
         hbm_v = compaction(cache.hbm_v, src, dst, num_moves)
     else:
-        S = cache.config.hbm_blocks
-        lay = jnp.arange(cache.config.num_layers)[:, None]
-        at = jnp.where(jnp.arange(src.shape[1])[None] < num_moves[:, None], dst, S)  # -> dropped
-        hbm_k = cache.hbm_k.at[lay, at].set(cache.hbm_k[lay, src], mode="drop")
-        hbm_v = cache.hbm_v.at[lay, at].set(cache.hbm_v[lay, src], mode="drop")
+        hbm_k, hbm_v = moved(cache.hbm_k), moved(cache.hbm_v)
     scales = {}
     if cache.config.fp8_in("hbm"):  # the FP8 scales move with their blocks (tiny: XLA)
-        S = cache.config.hbm_blocks
-        lay = jnp.arange(cache.config.num_layers)[:, None]
-        at = jnp.where(jnp.arange(src.shape[1])[None] < num_moves[:, None], dst, S)
-        scales = {
-            name: x.at[lay, at].set(x[lay, src], mode="drop")
-            for name, x in (("hbm_ks", cache.hbm_ks), ("hbm_vs", cache.hbm_vs))
-        }
+        scales = dict(hbm_ks=moved(cache.hbm_ks), hbm_vs=moved(cache.hbm_vs))
     in_hbm = cache.tier == TIER_HBM
     renum = jnp.take_along_axis(new_of_old, cache.slot.reshape(cache.config.num_layers, -1), 1)
     slot = jnp.where(in_hbm, renum.reshape(cache.slot.shape), cache.slot)

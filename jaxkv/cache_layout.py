@@ -211,37 +211,22 @@ def ring_ids(config: CacheConfig, lengths, mask) -> jax.Array:
     return jnp.where(hit, j, -1).astype(jnp.int32)
 
 
-def host_pool_blocks(config: CacheConfig, pool_k, pool_v) -> dict:
-    """Host-pool fields of a cache from whole pools [layers, slots, ...] in the cache dtype (on
-    the device; prefill): quantized under fp8="host", then placed in the host memory kind."""
+def pool_fields(config: CacheConfig, tier: str, pool_k, pool_v) -> dict:
+    """The pool fields of `tier` ("hbm" or "host") of a cache, from whole pools [layers, slots,
+    ...] in the cache dtype (on the device; prefill): quantized where that tier is FP8, then
+    placed in its memory kind."""
     c = config
     L, S = pool_k.shape[:2]
-    qk, sk = pool_blocks(c, pool_k.reshape(L * S, *pool_k.shape[2:]))
-    qv, sv = pool_blocks(c, pool_v.reshape(L * S, *pool_v.shape[2:]))
-    out = dict(
-        host_k=to_kind(qk.reshape(pool_k.shape), c.host_memory_kind),
-        host_v=to_kind(qv.reshape(pool_v.shape), c.host_memory_kind),
-    )
-    if c.fp8_in("host"):
-        out["host_ks"] = sk.reshape(L, S, c.kv_heads)
-        out["host_vs"] = sv.reshape(L, S, c.kv_heads)
-    return out
-
-
-def hbm_pool_blocks(config: CacheConfig, pool_k, pool_v) -> dict:
-    """HBM-pool fields of a cache from whole pools [layers, slots, ...] in the cache dtype
-    (prefill): quantized under fp8="age", in "device" memory."""
-    c = config
-    L, S = pool_k.shape[:2]
-    qk, sk = pool_blocks(c, pool_k.reshape(L * S, *pool_k.shape[2:]), "hbm")
-    qv, sv = pool_blocks(c, pool_v.reshape(L * S, *pool_v.shape[2:]), "hbm")
-    out = dict(
-        hbm_k=to_kind(qk.reshape(pool_k.shape), HBM_KIND),
-        hbm_v=to_kind(qv.reshape(pool_v.shape), HBM_KIND),
-    )
-    if c.fp8_in("hbm"):
-        out["hbm_ks"] = sk.reshape(L, S, c.kv_heads)
-        out["hbm_vs"] = sv.reshape(L, S, c.kv_heads)
+    kind = HBM_KIND if tier == "hbm" else c.host_memory_kind
+    qk, sk = pool_blocks(c, pool_k.reshape(L * S, *pool_k.shape[2:]), tier)
+    qv, sv = pool_blocks(c, pool_v.reshape(L * S, *pool_v.shape[2:]), tier)
+    out = {
+        f"{tier}_k": to_kind(qk.reshape(pool_k.shape), kind),
+        f"{tier}_v": to_kind(qv.reshape(pool_v.shape), kind),
+    }
+    if c.fp8_in(tier):
+        out[f"{tier}_ks"] = sk.reshape(L, S, c.kv_heads)
+        out[f"{tier}_vs"] = sv.reshape(L, S, c.kv_heads)
     return out
 
 

@@ -77,8 +77,12 @@ def pool_blocks(config, blocks: jax.Array, tier: str = "host"):
     return quantize(blocks)
 
 
-def from_pool(config, values: jax.Array, scale, tier: str = "host") -> jax.Array:
-    """Blocks in the cache dtype from what a pool of `tier` stored (`pool_blocks`)."""
-    if not config.fp8_in(tier):
-        return values
-    return dequantize(values, scale, config.jnp_dtype)
+def parse_policy(spec: str) -> tuple[str, int]:
+    """(fp8, fp8_age) of an FP8 policy written as on the benchmarks' command lines: "off",
+    "host" or "age:N" (N tokens). Raises ValueError otherwise."""
+    if spec in ("off", "host"):
+        return spec, 0
+    mode, _, age = spec.partition(":")
+    if mode != "age" or not age.isdigit():
+        raise ValueError(f"FP8 policy {spec!r}: expected off, host or age:N (N tokens)")
+    return "age", int(age)
