@@ -14,11 +14,16 @@ and prints what the optimized HLO executes per call (`jaxkv.gpu_compile.analyze`
 step's host reads is in flight on its own stream (`jaxkv.gpu_compile.overlap`; blank where the
 reads are not on a side stream).
 
+`program_ops` is the number of operations of the lowered program (StableHLO, before XLA's
+optimizations; `jaxkv.gpu_compile.program_ops`), `gpu_ops` what the optimized module executes.
+
 The must-hold checks (--check): no while loop but the scan over layers of the step and the
-prefill (known trip count = layers; so 0 unknown_trip_loops), 0 host_syncs, gpu_ops
-of a (batch, mode, policy, function) within OPS_BAND at every context (XLA's size-dependent
-kernel choices, not per-block work; see `ops_context_free`), and host KV traffic of at most 2
-transfers per layer per call in each direction (K and V). Needs `pip install -e .[gpu-compile]`.
+prefill (known trip count = layers; so 0 unknown_trip_loops), 0 host_syncs, the same lowered
+program (the same list of operations, `program_digest`) of a (batch, mode, policy, function) at
+every context, its gpu_ops within OPS_BAND at every context (XLA's size-dependent kernel choices
+for that same program, not per-block work; see `ops_context_free`), and host KV traffic of at
+most 2 transfers per layer per call in each direction (K and V). Needs
+`pip install -e .[gpu-compile]`.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ TABLE = (
     "batch",
     "mode",
     "policy",
+    "program_ops",
     "gpu_ops",
     "h2d",
     "d2h",
@@ -234,6 +240,7 @@ def check(cases: list[dict], layers: int) -> list[str]:
     """The must-hold failures of a list of case rows (see the module docstring)."""
     fails = []
     groups: dict[tuple, dict[int, int]] = {}
+    programs: dict[tuple, dict[int, tuple]] = {}
     for r in cases:
         if r["fn"] == "window_step":
             continue
@@ -255,6 +262,14 @@ def check(cases: list[dict], layers: int) -> list[str]:
         fails += [f"{tag}: {m}" for m in transfer_failures(r, layers)]
         key = (r["fn"], r["batch"], r["mode"], r["policy"])
         groups.setdefault(key, {})[r["context"]] = r["gpu_ops"]
+        programs.setdefault(key, {})[r["context"]] = (r["program_ops"], r["program_digest"])
+    for key, by_ctx in programs.items():
+        if len({d for _, d in by_ctx.values()}) > 1:
+            fails.append(
+                f"{' '.join(map(str, key))}: the program's operations change with context "
+                f"{ {c: n for c, (n, _) in by_ctx.items()} } (expected the same list at every "
+                "context: a shape-dependent branch in the program?)"
+            )
     for key, by_ctx in groups.items():
         if not ops_context_free(by_ctx):
             fails.append(
@@ -379,6 +394,8 @@ def main(argv=None) -> int:
                     layers=args.layers,
                     fp8=args.fp8,
                     **{f: a[f] for f in FIELDS},
+                    program_ops=len(ops := gc.program_ops(mod.stablehlo_text)),
+                    program_digest=gc.program_digest(ops),
                     host_reads=a["scope_h2d"],
                     read_overlap=min(gc.overlap(mod.hlo_text), default=None),
                     host_compute=a["host_compute"],

@@ -369,6 +369,64 @@ def overlap(hlo_text: str) -> list[int]:
     return out
 
 
+_MLIR_OP = re.compile(r'^\s*(?:%[^=]*=\s*)?"?([a-z_]+\.[a-z_][\w.]*)"?[\s(<{]')
+_MLIR_FUNC = re.compile(r"^(\s*)func\.func\s+(?:public\s+|private\s+)?@([\w.$-]+)\(")
+_MLIR_CALL = re.compile(r"(?<![\w.])(?:func\.)?call @([\w.$-]+)\(")
+
+
+def program_ops(stablehlo_text: str) -> list[str]:
+    """The operations of a lowered (StableHLO / MLIR) program by name (e.g.
+    "stablehlo.dot_general"), in text order from its public function, each call of a private
+    function replaced by that function's operations (jax shares one private function between
+    calls of equal shapes, so the functions alone depend on shapes) and each region's ops
+    listed once: the program jaxkv emits, before XLA picks kernels for it. Two programs with
+    the same list differ only in shapes and constants, so a decode step whose list is the same
+    at every context has no per-block structure, whatever XLA's size-dependent kernel choices
+    make of it (`analyze`'s gpu_ops)."""
+    funcs: dict[str, list[str]] = {}
+    public = None
+    name, indent, body = None, "", []
+    for line in stablehlo_text.splitlines():
+        m = _MLIR_FUNC.match(line)
+        if m:
+            indent, name, body = m.group(1), m.group(2), []
+            public = public or (name if " public " in line or "private" not in line else None)
+            continue
+        if name is None:
+            continue
+        if line.rstrip() == indent + "}":
+            funcs[name], name = body, None
+            continue
+        body.append(line)
+    if public is None:
+        raise ValueError("no public func.func in the text: expected a lowered StableHLO module")
+    memo: dict[str, list[str]] = {}
+
+    def expand(fn: str, stack=()) -> list[str]:
+        if fn in memo:
+            return memo[fn]
+        if fn in stack or fn not in funcs:
+            raise ValueError(f"function @{fn} is recursive or not defined in the text")
+        out = []
+        for line in funcs[fn]:
+            call = _MLIR_CALL.search(line)
+            if call and call.group(1) in funcs:
+                out += expand(call.group(1), stack + (fn,))
+            elif m := _MLIR_OP.match(line):
+                out.append(m.group(1))
+        memo[fn] = out
+        return out
+
+    return expand(public)
+
+
+def program_digest(ops: list[str]) -> str:
+    """A short digest of a `program_ops` list (equal lists, equal digests)."""
+    import hashlib
+
+    return hashlib.sha1("\n".join(ops).encode()).hexdigest()[:12]
+
+
 def summary(analysis: dict) -> dict[str, Any]:
     """The scalar fields of an `analyze` result (drops the per-kind breakdowns)."""
     return {f: analysis[f] for f in _FIELDS}

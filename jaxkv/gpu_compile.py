@@ -154,6 +154,7 @@ class CompiledModule:
     lower_seconds: float  # trace + lower to StableHLO
     compile_seconds: float  # XLA GPU compile (ptxas included)
     target: str
+    stablehlo_text: str = ""  # the lowered program, before XLA optimizes it
 
     @functools.cached_property
     def analysis(self) -> dict:
@@ -244,13 +245,26 @@ def compile_for_gpu(
     text = exe.hlo_modules()[0].to_string()
     t2 = time.perf_counter()
     return CompiledModule(
-        name=name, hlo_text=text, lower_seconds=t1 - t0, compile_seconds=t2 - t1, target=target
+        name=name,
+        hlo_text=text,
+        lower_seconds=t1 - t0,
+        compile_seconds=t2 - t1,
+        target=target,
+        stablehlo_text=str(module),
     )
 
 
 # ---- analysis: jaxkv.gpu_analysis (re-exported) -------------------------------------------------
 
-from jaxkv.gpu_analysis import HOST_SPACE, analyze, overlap, parse_hlo, summary  # noqa: E402
+from jaxkv.gpu_analysis import (  # noqa: E402
+    HOST_SPACE,
+    analyze,
+    overlap,
+    parse_hlo,
+    program_digest,
+    program_ops,
+    summary,
+)
 
 __all__ = [
     "HOST_SPACE",
@@ -267,5 +281,7 @@ __all__ = [
     "overlap",
     "parse_hlo",
     "plugin_available",
+    "program_digest",
+    "program_ops",
     "summary",
 ]

@@ -206,6 +206,38 @@ def test_scope_counts_named_scope_transfers():
     assert a["h2d"] == 2 and a["scope_h2d"] == 1 and a["scope_gpu_ops"] == 2
 
 
+def test_program_ops_see_a_shape_dependent_branch_but_not_a_shape():
+    """`program_ops` lists a lowered program's operations whatever the shapes; a Python branch
+    on a shape changes the list (what the must-hold's same-program check catches)."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(x):
+        y = jnp.exp(x) + 1.0
+        if x.shape[0] > 16:  # per-size structure, as a per-block unroll would be
+            y = y * 2.0
+        return y.sum()
+
+    def ops(n):
+        return gc.program_ops(jax.jit(f).lower(jnp.zeros((n,), jnp.float32)).as_text())
+
+    assert ops(32) == ops(1024) and "stablehlo.exponential" in ops(32)
+    assert len(ops(8)) < len(ops(32)) and gc.program_digest(ops(8)) != gc.program_digest(ops(32))
+    assert gc.program_digest(ops(32)) == gc.program_digest(ops(1024))
+
+    # jax shares a private function between calls of equal shapes: the list inlines them
+    def g(x, y):
+        return jnp.clip(x, 0.0, 1.0).sum() + jnp.clip(y, 0.0, 1.0).sum()
+
+    def text(n, m):
+        return jax.jit(g).lower(jnp.zeros((n,)), jnp.zeros((m,))).as_text()
+
+    assert text(8, 8).count("func.func private") < text(8, 16).count("func.func private")
+    assert gc.program_ops(text(8, 8)) == gc.program_ops(text(8, 16))
+    with pytest.raises(ValueError, match="public func.func"):
+        gc.program_ops("module {}")
+
+
 def test_analyze_rejects_text_without_entry():
     with pytest.raises(ValueError, match="ENTRY"):
         gc.analyze("HloModule m\n")
@@ -299,8 +331,13 @@ def _rows(bench, mode, policy, what):
         res = bench.compile_cases(
             LAYERS, ctx, 1, mode, policy, shape=bench.SMALL, target="h200", what=what
         )
-        rows[ctx] = {fn: a for fn, (_, a) in res.items()}
+        rows[ctx] = {fn: _with_program(m, a) for fn, (m, a) in res.items()}
     return rows
+
+
+def _with_program(module, analysis):
+    """`analysis` plus the lowered program's operation list (`gpu_compile.program_ops`)."""
+    return {**analysis, "program": gc.program_ops(module.stablehlo_text)}
 
 
 def _assert_must_hold(rows, fn, bench):
@@ -317,6 +354,13 @@ def _assert_must_hold(rows, fn, bench):
         )
         row = {"fn": fn, "host_reads": a["scope_h2d"], "h2d": a["h2d"], "d2h": a["d2h"]}
         assert not bench.transfer_failures(row, LAYERS), bench.transfer_failures(row, LAYERS)
+    # the program itself is the same at every context, op for op (only shapes differ) ...
+    p0, p1 = (rows[c][fn]["program"] for c in CONTEXTS)
+    assert p0 == p1, (
+        f"{fn}: the lowered program has {len(p0)} ops at {CONTEXTS[0]} tokens, {len(p1)} at "
+        f"{CONTEXTS[1]} (or a different list): a shape-dependent branch"
+    )
+    # ... and XLA's kernel choices for it may differ only within the band
     assert bench.ops_context_free({c: rows[c][fn]["gpu_ops"] for c in CONTEXTS}), (
         f"{fn}: gpu_ops {a0['gpu_ops']} at {CONTEXTS[0]} vs {a1['gpu_ops']} at {CONTEXTS[1]} "
         "tokens (per-block work in the program)"
@@ -336,7 +380,7 @@ def test_fp8_step_must_hold_and_reads_fp8_over_the_link(bench, mode, fp8):
             LAYERS, ctx, 1, mode, "lru", shape=bench.SMALL, target="h200", what=["step"],
             fp8=fp8[0], fp8_age=fp8[1],
         )  # fmt: skip
-        rows[ctx] = {"step": res["step"][1]}
+        rows[ctx] = {"step": _with_program(*res["step"])}
         text = res["step"][0].hlo_text
         assert re.search(r"f8e4m3fn\[[^\]]*\]\{[^}]*S\(5\)", text), "no FP8 host buffer"
         # an FP8 device pool [layers, slots, block, kv_heads, head_dim]: no memory space
