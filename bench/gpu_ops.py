@@ -295,13 +295,33 @@ def policy_free(cases: list[dict]) -> list[str]:
     ]
 
 
-# XLA's GPU codegen picks kernels by size (a long reduction becomes two kernels, a GEMM is
-# split along K, a large gather is not fused into its consumer), so the same loop-free program
-# executes more operations at a longer context: the 32-layer 8B decode step 1,468 / 1,730 /
-# 1,887 at 8k / 32k / 128k (exact, batch 1), 1,822 / 2,054 / 2,113 (sparse). With no loop in
-# the program (checked too), nothing can repeat per block; anything per block would grow with
-# the 16x the blocks from 8k to 128k. The band bounds what codegen may add.
+# XLA's GPU codegen picks kernels by size (a softmax reduction over 25k tokens becomes two
+# kernels where one over 6k is one, a GEMM is split along K, a mask or a gather is no longer fused
+# into its consumers once the cost model says duplicating it costs more), so one program executes
+# more operations at a longer context: the 32-layer 8B decode step 2,213 / 2,469 / 2,502 at
+# 8k / 32k / 128k (exact, batch 1), 2,565 / 2,757 / 2,886 (sparse), each from one and the same
+# lowered program (checked: `program_digest`). With no loop in the program but the scan over
+# layers (checked too), nothing can repeat per block; anything per block would grow with the
+# 16x the blocks from 8k to 128k. The band bounds what codegen may add.
 OPS_BAND = 0.5
+
+
+def explain(sources: dict[tuple, dict[int, dict]]) -> list[str]:
+    """Where the executed operations of one program differ between contexts: for each
+    (fn, batch, mode, policy) group, the (kind, source op) pairs whose counts differ
+    (`analyze`'s ops_by_source), as lines "group: kind source: n1 / n2 / n3"."""
+    out = []
+    for key, by_ctx in sources.items():
+        ctxs = sorted(by_ctx)
+        names = set().union(*(by_ctx[c] for c in ctxs))
+        for name in sorted(names):
+            counts = [by_ctx[c].get(name, 0) for c in ctxs]
+            if len(set(counts)) > 1:
+                out.append(
+                    f"{' '.join(map(str, key))}: {name[0]} {name[1]}: "
+                    + " / ".join(f"{n} at {c}" for n, c in zip(counts, ctxs, strict=True))
+                )
+    return out
 
 
 def ops_context_free(by_context: dict[int, int]) -> bool:
@@ -340,6 +360,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--fp8", default="off", help="the cache's FP8 policy: off, host or age:N (N tokens)"
     )
+    ap.add_argument(
+        "--explain",
+        action="store_true",
+        help="also print (to stderr) the source ops whose executed operations differ between "
+        "contexts (XLA's size-dependent kernel choices, per jax op)",
+    )
     ap.add_argument("--json", action="store_true", help='print {"cases": [...]} as JSON')
     ap.add_argument("--check", action="store_true", help="exit 1 if a must-hold check fails")
     args = ap.parse_args(argv)
@@ -376,7 +402,7 @@ def main(argv=None) -> int:
             per_policy = [f for f in functions if f in PER_POLICY]
             if per_policy:
                 jobs += [(ctx, b, m, p, per_policy, False) for m in modes for p in policies]
-    rows = []
+    rows, sources = [], {}
     t_all = time.perf_counter()
     for ctx, b, mode, pol, what, shape_only in tqdm(jobs, file=sys.stderr, desc="compiling"):
         res = compile_cases(
@@ -384,6 +410,8 @@ def main(argv=None) -> int:
             fp8=fp8, fp8_age=fp8_age,
         )  # fmt: skip
         for fn, (mod, a) in res.items():
+            group = (fn, b, "-" if shape_only else mode, "-" if shape_only else pol)
+            sources.setdefault(group, {})[ctx] = a["ops_by_source"]
             rows.append(
                 dict(
                     fn=fn,
@@ -406,6 +434,9 @@ def main(argv=None) -> int:
                     compile_s=round(mod.compile_seconds, 2),
                 )
             )
+    if args.explain:
+        for line in explain(sources) or ["no source op executes differently between contexts"]:
+            print(line, file=sys.stderr)
     fails = check(rows, args.layers) if args.check else []
     if args.check:
         fails += policy_free(rows)

@@ -162,6 +162,14 @@ _FIELDS = (
     "scope_d2h",
 )
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_BREAKDOWNS = ("ops_by_kind", "ops_by_source", "transfers", "loop_trips")
+
+
+def _source(op_name: str) -> str:
+    """An instruction's jax source path without the jit(...) frames and scan plumbing, e.g.
+    "model/attention/host_part/reduce_max"."""
+    parts = [p for p in op_name.split("/") if not p.startswith(("jit(", "pjit("))]
+    return "/".join(p for p in parts if p not in ("while", "body", "eval_jaxpr", "closed_call"))
 
 
 def analyze(hlo_text: str, scope: str | None = None) -> dict:
@@ -207,9 +215,11 @@ def analyze(hlo_text: str, scope: str | None = None) -> dict:
         "host_part" for the attention's host read); 0 when `scope` is None.
     Returns:
       dict with the fields above, `ops_by_kind` (a Counter of opcode, fusion kind or custom call
-      target), `transfers` ({"h2d:<opcode>": n, "d2h:<opcode>": n}) and `loop_trips` (a
-      Counter of the known trip counts of the loops: {trip count: loops}, e.g. {32: 1} for a
-      scan over 32 layers).
+      target), `ops_by_source` (a Counter of (that kind, the jax source path of the op's
+      metadata, `_source`): where the operations come from, e.g. to see which of them XLA
+      emits differently at another size), `transfers` ({"h2d:<opcode>": n, "d2h:<opcode>": n})
+      and `loop_trips` (a Counter of the known trip counts of the loops: {trip count: loops},
+      e.g. {32: 1} for a scan over 32 layers).
     """
     comps, entry = parse_hlo(hlo_text)
     if entry is None:
@@ -219,6 +229,7 @@ def analyze(hlo_text: str, scope: str | None = None) -> dict:
     def empty():
         return {f: 0 for f in _FIELDS} | {
             "ops_by_kind": Counter(),
+            "ops_by_source": Counter(),
             "transfers": Counter(),
             "loop_trips": Counter(),
         }
@@ -226,7 +237,7 @@ def analyze(hlo_text: str, scope: str | None = None) -> dict:
     def add(dst, src, k=1):
         for f in _FIELDS:
             dst[f] += k * src[f]
-        for key in ("ops_by_kind", "transfers", "loop_trips"):
+        for key in _BREAKDOWNS:
             for name, n in src[key].items():
                 dst[key][name] += k * n
 
@@ -267,7 +278,7 @@ def analyze(hlo_text: str, scope: str | None = None) -> dict:
                 worst = empty()
                 for f in _FIELDS:
                     worst[f] = max(s[f] for s in subs)
-                for key2 in ("ops_by_kind", "transfers", "loop_trips"):
+                for key2 in _BREAKDOWNS:
                     for s in subs:
                         for name, n in s[key2].items():
                             worst[key2][name] = max(worst[key2][name], n)
@@ -292,8 +303,9 @@ def analyze(hlo_text: str, scope: str | None = None) -> dict:
                 m = _TARGET.search(inst.attrs)
                 kind = f"custom-call:{m.group(1)}" if m else op
             r["ops_by_kind"][kind] += 1
-            m = _OP_NAME.search(inst.attrs) if scope else None
-            scoped = bool(m) and f"/{scope}/" in m.group(1) + "/"
+            m = _OP_NAME.search(inst.attrs)
+            r["ops_by_source"][(kind, _source(m.group(1)) if m else "?")] += 1
+            scoped = bool(scope and m) and f"/{scope}/" in m.group(1) + "/"
             r["scope_gpu_ops"] += int(scoped)
             if _HOST_COMPUTE.search(inst.attrs):
                 r["host_compute"] += 1
@@ -331,6 +343,7 @@ def analyze(hlo_text: str, scope: str | None = None) -> dict:
     return {
         **{f: out[f] for f in _FIELDS},
         "ops_by_kind": out["ops_by_kind"],
+        "ops_by_source": out["ops_by_source"],
         "transfers": out["transfers"],
         "loop_trips": out["loop_trips"],
     }

@@ -71,6 +71,7 @@ def brute_force(pr, n=12, cap=4):
     return float(jnp.min(anneal.energy(pr, jnp.asarray(np.stack(xs))[None])))
 
 
+@pytest.mark.slow  # default suite: about 40 s (CI runs make test-slow)
 def test_finds_brute_force_optimum_in_95_percent_of_seeded_runs():
     hits, runs = 0, 40
     for seed in range(runs):
@@ -93,7 +94,7 @@ def test_annealing_improves_on_its_greedy_init():
     assert gaps > 0  # the instances are not all solved by the init
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2))])
 def test_never_exceeds_capacity_budget_or_validity(seed):
     pr = problem(seed, n=40, w=6, cap=10, layers=3, invalid=7)
     x, e, st = anneal.run(
@@ -115,7 +116,7 @@ def test_same_seed_same_answer():
     np.testing.assert_array_equal(e1, e2)
 
 
-@pytest.mark.parametrize("seed", [10, 11, 12])
+@pytest.mark.parametrize("seed", [10, *(pytest.param(s, marks=pytest.mark.slow) for s in (11, 12))])
 def test_delta_energy_equals_full_recompute(seed):
     pr = problem(seed, n=30, w=7, cap=9, layers=2)
     cfg = AnnealConfig(chains=5)
@@ -368,7 +369,9 @@ def test_spread_prices_the_expected_step_time():
     assert (np.asarray(e) >= np.maximum(th, tl) * (1 - 1e-6)).all()
 
 
-@pytest.mark.parametrize("sd_blocks", [0.0, 4.0, 12.0])
+@pytest.mark.parametrize(
+    "sd_blocks", [4.0, *(pytest.param(s, marks=pytest.mark.slow) for s in (0.0, 12.0))]
+)
 def test_spread_keeps_the_link_below_the_balance_point(sd_blocks):
     """300 identical host blocks, each read with probability 0.5, free promotions, room for
     all: the expected step time is lowest where moving one more block to HBM stops paying,

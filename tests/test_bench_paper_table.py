@@ -32,6 +32,7 @@ def quick(tmp_path_factory):
     return out, json.loads((out / "paper_table_quick.json").read_text())
 
 
+@pytest.mark.slow  # default suite: the quick table takes about 30 s (CI runs make test-slow)
 def test_quick_json_has_every_cell_with_finite_values(quick):
     _, doc = quick
     assert [r["sparsity"] for r in doc["latency"]] == [0.6, 0.9]
@@ -61,6 +62,7 @@ def test_quick_json_has_every_cell_with_finite_values(quick):
     assert doc["device"] and doc["jax"]
 
 
+@pytest.mark.slow  # default suite: the quick table takes about 30 s (CI runs make test-slow)
 def test_quick_writes_the_figure(quick):
     pytest.importorskip("matplotlib")
     out, doc = quick

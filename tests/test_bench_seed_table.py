@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).parents[1] / "bench"
+pytestmark = pytest.mark.slow  # the quick table takes about 40 s (CI runs make test-slow)
 
 
 def finite(x) -> bool:

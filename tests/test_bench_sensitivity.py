@@ -56,6 +56,7 @@ def _check_doc(doc: dict, knobs: list[str], out: Path) -> None:
         assert (out / "sensitivity_quick.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # default suite: about 25 s (CI runs make test-slow)
 def test_quick_run_json_and_png(tmp_path):
     # a subset that takes every path (several policies per pool, the +ec overrides, two
     # profiles) within the test's time; the full --quick run is the slow test below

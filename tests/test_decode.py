@@ -82,7 +82,9 @@ def test_any_placement_gives_all_hbm_tokens(tiny, all_hbm_tokens, policy, hbm, b
     assert 0.0 < s["hbm_hit_rate"] < 1.0 and s["modeled_seconds"] > 0
 
 
-@pytest.mark.parametrize("policy,window", [("lru", 3), ("anneal+reuse+follow", 4)])
+@pytest.mark.parametrize(
+    "policy,window", [("lru", 3), pytest.param("anneal+reuse+follow", 4, marks=pytest.mark.slow)]
+)
 def test_pallas_transfers_match_xla_and_all_hbm(tiny, policy, window):
     """fetch="pallas": host reads, spills and migrations through the Pallas gather / scatter
     kernels (the interpreter on CPU, on the pinned_host pools). Under sparse attention (the
@@ -175,7 +177,9 @@ def test_follow_plans_between_steps_and_follows_in_them(tiny, sparse_static):
     assert got["modeled_seconds"] < best_other
 
 
-@pytest.mark.parametrize("admit", ["read", "ranked", "target"])
+@pytest.mark.parametrize(
+    "admit", ["read", *(pytest.param(a, marks=pytest.mark.slow) for a in ("ranked", "target"))]
+)
 def test_follow_moves_only_blocks_the_step_read(tiny, admit):
     """Step by step: a follow step promotes only blocks it read from host (under
     admit="target" only those the target in force marks), at most max_moves per layer, and
@@ -254,6 +258,7 @@ def test_migrations_load_both_sides_of_their_step(tiny):
     np.testing.assert_allclose(float(state.metrics.latency[t]), want, rtol=1e-5)
 
 
+@pytest.mark.slow  # default suite: about 20 s (CI runs make test-slow)
 def test_adaptive_anneal_window_is_the_policys(tiny):
     """+aw in the decode loop: the anneal policy's own controller (as in the simulator) sets
     W, within PlacementConfig's bounds; the decode loop's W is the policy's."""
@@ -314,7 +319,9 @@ def test_window_reads_restart_at_each_plan(tiny):
     np.testing.assert_array_equal(np.asarray(state.stats.window_reads), np.asarray(reads))
 
 
-@pytest.mark.parametrize("policy", ["lru", "anneal+reuse+follow"])
+@pytest.mark.parametrize(
+    "policy", ["lru", pytest.param("anneal+reuse+follow", marks=pytest.mark.slow)]
+)
 def test_decode_step_compiles_once_across_windows(tiny, policy):
     """One compilation of each jitted function across windows and a change of W (counted)."""
     model, params = tiny
@@ -479,7 +486,13 @@ def test_step_past_max_new_tokens(tiny):
     np.testing.assert_array_equal(np.asarray(after.cache.lengths), lengths)
 
 
-@pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host", "device"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "pinned_host",
+        *(pytest.param(k, marks=pytest.mark.slow) for k in ("unpinned_host", "device")),
+    ],
+)
 def test_decoder_keeps_the_host_memory_kind(tiny, all_hbm_tokens, kind):
     """The host pools keep the configured memory kind through prefill, step and generate (an
     unpinned_host pool came back as device), and the tokens stay the all-HBM ones."""
@@ -588,7 +601,13 @@ def _fixture_decode(name, policy, *, hbm=0.3, host=None, attention="exact", impl
     return np.asarray(state.tokens)[0], want, state, dec
 
 
-@pytest.mark.parametrize("policy", LIVE_POLICIES)
+@pytest.mark.parametrize(
+    "policy",
+    [
+        p if p != "anneal+reuse+follow" else pytest.param(p, marks=pytest.mark.slow)
+        for p in LIVE_POLICIES
+    ],
+)
 def test_sliding_window_decode_equals_transformers(policy):
     """Mistral (window 14 over a 20-token sequence, every layer): the tiered decoder's greedy
     tokens equal transformers' under every live policy, with 30% of the cache in HBM."""

@@ -239,6 +239,7 @@ def test_simulator_prices_fp8_blocks(lo, hi, profile, capacity):
     assert on_p["unlimited"]["latency_s"] <= off_p["unlimited"]["latency_s"]
 
 
+@pytest.mark.slow  # default suite: about 20 s (CI runs make test-slow)
 def test_score_teacher_forces_like_greedy_decoding(tiny):
     """`Decoder.score` fed the tokens greedy decoding chose gives logits whose argmax are the
     next ones it chose; bad token shapes and too many steps are refused up front."""

@@ -204,6 +204,25 @@ def test_scope_counts_named_scope_transfers():
     )
     a = gc.analyze(text, scope="host_part")
     assert a["h2d"] == 2 and a["scope_h2d"] == 1 and a["scope_gpu_ops"] == 2
+    # every executed op is attributed to its jax source path (jit frames dropped)
+    assert a["ops_by_source"] == {
+        ("copy-start", "model/host_part/device_put"): 1,
+        ("copy-done", "model/host_part/device_put"): 1,
+        ("copy-start", "migrate/device_put"): 1,
+        ("copy-done", "?"): 1,
+        ("fusion:kLoop", "?"): 1,
+    }
+
+
+def test_explain_names_the_source_ops_that_differ_between_contexts(bench):
+    same, split = ("fusion:kLoop", "model/mlp/dot"), ("fusion:kInput", "attention/reduce_max")
+    sources = {
+        ("step", 1, "exact", "static"): {8192: {same: 3, split: 1}, 32768: {same: 3, split: 2}}
+    }
+    assert bench.explain(sources) == [
+        "step 1 exact static: fusion:kInput attention/reduce_max: 1 at 8192 / 2 at 32768"
+    ]
+    assert bench.explain({("compact", 1, "-", "-"): {8192: {same: 1}, 32768: {same: 1}}}) == []
 
 
 def test_program_ops_see_a_shape_dependent_branch_but_not_a_shape():

@@ -163,6 +163,7 @@ def vertex(case, **kw):
     return res.fun * scale, bool(np.all(np.minimum(np.abs(x), np.abs(1 - x)) < 1e-9))
 
 
+@pytest.mark.slow  # default suite: about 40 s (CI runs make test-slow)
 def test_brute_force_is_the_simulators_optimum():
     """The brute force models `jaxkv.sim.simulate`: no simulated policy beats it, and anneal-oracle
     (its own accounting, the simulator's) reaches it exactly on some instances."""
@@ -313,10 +314,10 @@ def test_bad_input():
 
 # (geometry, pool blocks, sparsity, keep_fetched, demote_cost): KV-dominated, weight-dominated
 # and the paper's geometry; each case compiles the simulator once and reuses it on five traces
-CASES = [
-    ("paper", 3, 0.5, False, 0.0),
+CASES = [  # the default suite runs "small" (the others about 45 s each: make test-slow)
+    pytest.param("paper", 3, 0.5, False, 0.0, marks=pytest.mark.slow),
     ("small", 6, 0.0, True, 0.0),
-    ("mid", 3, 0.5, False, 0.5),
+    pytest.param("mid", 3, 0.5, False, 0.5, marks=pytest.mark.slow),
 ]
 
 

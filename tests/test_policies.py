@@ -98,7 +98,20 @@ ALL = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(ALL))
+# the default suite plans with every heuristic, the annealer and its most combined variant; the
+# other annealer variants (5-8 s each) run in make test-slow, which CI runs
+DEFAULT_PLANS = ("anneal", "anneal+reuse+now+spread+runs")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        n
+        if not n.startswith("anneal") or n in DEFAULT_PLANS
+        else pytest.param(n, marks=pytest.mark.slow)
+        for n in sorted(ALL)
+    ],
+)
 def test_plan_is_jittable_within_capacity_and_valid(name):
     pol = ALL[name]
     obs = observation(runs=name.endswith("+runs"))

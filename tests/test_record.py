@@ -23,6 +23,7 @@ def test_exact_trace_covers_context_and_mass_sums_to_one(tiny, tmp_path):
     assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
 
 
+@pytest.mark.slow  # default suite: about 15 s (CI runs make test-slow)
 def test_sparse_trace_reads_fewer_blocks(tiny):
     model, _ = tiny
     tr = record_trace(model, np.arange(64) % 256, 4, sparsity=0.5, block_size=8, progress=False)

@@ -84,6 +84,7 @@ def test_migrations_happen_at_each_devices_phase(sparse_fp8):
     assert not any(r["rows_share_statistics"])  # each device plans from its own heads
 
 
+@pytest.mark.slow  # default suite: 25-60 s each (CI runs make test-slow)
 def test_one_plan_per_model_group():
     """plan_over="model": the two model devices of each data row pool their statistics, so
     they place their shards alike (sparse attention: their own selections differ; with one
@@ -100,6 +101,7 @@ def test_one_plan_per_model_group():
         assert ((steps - (W - 1) - phase) % W == 0).all(), (d, steps)
 
 
+@pytest.mark.slow  # default suite: 25-60 s each (CI runs make test-slow)
 def test_each_device_prices_its_own_link():
     """link_bandwidths: the model shard 1 of every data row reads its host pool over a link a
     tenth as fast (a far NUMA node). Exact LRU places identically on both model shards, so
@@ -117,6 +119,7 @@ def test_each_device_prices_its_own_link():
         assert reads.any() and (lat[slow][reads] > lat[fast][reads]).all()
 
 
+@pytest.mark.slow  # default suite: 25-60 s each (CI runs make test-slow)
 def test_a_shared_link_carries_the_groups_bytes(exact_lru):
     """shared_link="model": the two model shards of a data row read over one link, so each
     one's modeled step is never faster than with a link of its own, and slower wherever the
@@ -134,6 +137,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # default suite: 20-35 s each (CI runs make test-slow)
 def test_two_processes_decode_one_sharded_cache():
     """Two processes on localhost (4 CPU devices each) under jax.distributed.initialize form one
     4 x 2 mesh; each decodes the same prompts with the cache sharded across both and gets the
@@ -182,6 +186,7 @@ def test_two_processes_decode_one_sharded_cache():
     assert outs[0]["tokens"] == outs[1]["tokens"]
 
 
+@pytest.mark.slow  # default suite: 20-35 s each (CI runs make test-slow)
 def test_one_device_mesh_in_process(tiny):
     """A 1 x 1 mesh is the single-device decoder under shard_map: the same tokens."""
     from jaxkv.decode import Decoder

@@ -120,15 +120,25 @@ def test_no_policy_beats_unlimited(seed, sparsity, cap):
     check_no_policy_beats_unlimited(seed, sparsity, cap)
 
 
+# one fixed case in the default suite, over a policy of each kind (every policy: the slow
+# property test above, and test_no_policy_beats_unlimited_on_one_case_every_policy)
+ONE_CASE = ["static", "lru", "paper-sa", "anneal", "anneal-oracle+dual", "anneal+reuse+follow"]
+
+
 def test_no_policy_beats_unlimited_on_one_case():
+    check_no_policy_beats_unlimited(11, 0.5, 5, names=ONE_CASE)
+
+
+@pytest.mark.slow  # about 70 s
+def test_no_policy_beats_unlimited_on_one_case_every_policy():
     check_no_policy_beats_unlimited(11, 0.5, 5)
 
 
-def check_no_policy_beats_unlimited(seed, sparsity, cap):
+def check_no_policy_beats_unlimited(seed, sparsity, cap, names=NAMES):
     trace = random_block_trace(seed)
     res = sim.simulate(
         trace,
-        NAMES + ["unlimited"],
+        names + ["unlimited"],
         profile=HardwareProfile.preset("gh200-paper"),
         geometry=cost.get_geometry("paper"),
         sparsity=sparsity,
@@ -142,7 +152,7 @@ def check_no_policy_beats_unlimited(seed, sparsity, cap):
     )
     unl = res["policies"]["unlimited"]["latency_s"]
     assert res["bounds"]["capacity_s"] >= unl * (1 - 1e-6)
-    for name in NAMES:
+    for name in names:
         v = res["policies"][name]
         assert v["latency_s"] >= unl * (1 - 1e-6), name
         assert v["latency_s"] >= res["bounds"]["capacity_s"] * (1 - 1e-5), name
@@ -278,6 +288,7 @@ def test_unknown_modifier():
         run(["anneal+reuse+now+follow"])
 
 
+@pytest.mark.slow  # default suite: about 60 s each (CI runs make test-slow)
 def test_dual_oracle_runs_on_the_dual_values_and_reports_their_time():
     trace = tr.SyntheticTrace("recency-low", 40, 12, 2, 4, seed=1)
     kw = dict(
@@ -459,7 +470,7 @@ def test_follow_policy_step_by_step():
     assert plans == math.ceil(steps / W)
 
 
-@pytest.mark.parametrize("W, chunk", [(4, 5), (3, 16), (16, 6)])
+@pytest.mark.parametrize("W, chunk", [(4, 5), (3, 16), pytest.param(16, 6, marks=pytest.mark.slow)])
 def test_follow_plans_every_window(W, chunk):
     steps = 14
     res = sim.simulate(
@@ -559,6 +570,7 @@ def test_follow_admit_read_promotes_every_host_read():
     assert promoted > 0
 
 
+@pytest.mark.slow  # default suite: about 60 s each (CI runs make test-slow)
 def test_simulate_follow_admit_and_ride():
     """simulate passes follow_admit to the +follow policies, and ride=0.0 is a real value
     (None: each policy's default)."""

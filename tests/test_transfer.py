@@ -184,8 +184,8 @@ def _check_migration(was, now, target, moved, max_moves):
     [
         ("xla", "pinned_host"),
         ("pallas", "pinned_host"),
-        ("xla", "unpinned_host"),
-        ("auto", "device"),
+        pytest.param("xla", "unpinned_host", marks=pytest.mark.slow),  # 10 s each: test-slow
+        pytest.param("auto", "device", marks=pytest.mark.slow),
     ],
 )
 @settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])

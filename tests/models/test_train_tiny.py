@@ -16,6 +16,7 @@ ARGS = (
 ).split()
 
 
+@pytest.mark.slow  # default suite: about 40 s (CI runs make test-slow)
 def test_train_resume_and_load(tmp_path):
     full = main(["--out", str(tmp_path / "a"), *ARGS])
     assert main(["--out", str(tmp_path / "b"), *ARGS, "--stop-after", "5"]) == {"stopped_at": 5}

@@ -340,7 +340,10 @@ def test_reference_matches_dense_numpy(dtype, block_size):
         dict(head_dim=256, block_size=16, dtype=jnp.float32, q_heads=4, kv_heads=1),
     ],
 )
-@pytest.mark.parametrize("semantics", ["Warpgroup", "Lane"])
+@pytest.mark.parametrize(
+    "semantics",
+    ["Warpgroup", pytest.param("Lane", marks=pytest.mark.slow)],  # Lane: test-slow
+)
 def test_lowers_for_cuda(config, semantics, monkeypatch):
     """The compiled (non-interpreted) path lowers to a Mosaic GPU custom call on CPU too, under
     both Mosaic GPU lowering semantics (the default differs between jax versions). Lowering runs
