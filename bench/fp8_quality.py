@@ -19,6 +19,11 @@ transfer overheads.
 
   python bench/fp8_quality.py                      # default model, bf16, HBM 50% / 25% / tails
   python bench/fp8_quality.py --model tests/models/fixtures/llama3 --json
+  python bench/fp8_quality.py --equal-hbm-bytes    # each FP8 policy in FP8 off's HBM bytes
+
+With --equal-hbm-bytes every FP8 policy gets the HBM bytes FP8 off takes at that --hbm: pool
+blocks at their storage bytes (FP8 under "age", so about twice as many) plus the ring, so the
+comparison is the same memory spent two ways.
 """
 
 from __future__ import annotations
@@ -67,19 +72,39 @@ def heldout_windows(tokenizer, vocab: int, batch: int, length: int, seed: int = 
     return ids.reshape(batch, length).astype(np.int32)
 
 
+def _config(mc, batch, max_len, bs, hbm, fp8) -> CacheConfig:
+    """The cache of one run; `hbm`: "tails", a fraction (str or float) or an int (blocks)."""
+    mode, age = parse_policy(fp8)
+    if hbm == "tails":
+        cap = batch
+    elif isinstance(hbm, int):
+        cap = hbm
+    else:
+        cap = float(hbm)
+    return CacheConfig.for_model(
+        mc, batch=batch, max_len=max_len, block_size=bs, hbm_capacity=cap, fp8=mode, fp8_age=age
+    )
+
+
+def hbm_footprint(cfg: CacheConfig) -> int:
+    """HBM bytes the KV takes per layer: the pool at its storage bytes, plus fp8="age"'s
+    full-precision ring."""
+    return cfg.hbm_blocks * cfg.hbm_block_bytes + cfg.batch * cfg.ring_blocks * cfg.block_bytes
+
+
+def equal_bytes_blocks(cfg: CacheConfig, budget: int) -> tuple[int, bool]:
+    """(HBM pool blocks per layer, fits) for `cfg`'s FP8 policy in `budget` HBM bytes per layer:
+    what the ring leaves, in pool blocks at their storage bytes, between the tails (`batch`)
+    and the whole cache; fits is False when even the tails and the ring exceed the budget."""
+    ring = cfg.batch * cfg.ring_blocks * cfg.block_bytes
+    n = (budget - ring) // cfg.hbm_block_bytes
+    return int(min(max(n, cfg.batch), cfg.total_blocks)), n >= cfg.batch
+
+
 def _run(model, params, windows, prompt_len, steps, hbm, policy, attention, fp8, profile, bs):
     mc = model.config
     batch = windows.shape[0]
-    mode, age = parse_policy(fp8)
-    cfg = CacheConfig.for_model(
-        mc,
-        batch=batch,
-        max_len=prompt_len + steps + 1,
-        block_size=bs,
-        hbm_capacity=batch if hbm == "tails" else float(hbm),
-        fp8=mode,
-        fp8_age=age,
-    )
+    cfg = _config(mc, batch, prompt_len + steps + 1, bs, hbm, fp8)
     placement = PlacementConfig(policy=policy, window=8, attention=attention, topk=0.25)
     dec = Decoder(model, cfg, placement, max_new_tokens=steps + 1, profile=profile)
     state = dec.prefill(params, jnp.asarray(windows[:, :prompt_len]))
@@ -103,9 +128,7 @@ def _run(model, params, windows, prompt_len, steps, hbm, policy, attention, fp8,
         tokens_per_s=s["modeled_tokens_per_s"],
         hbm_hit_rate=s["hbm_hit_rate"],
         hbm_blocks=cfg.hbm_blocks,
-        # HBM the KV takes per layer: the pool at its storage bytes, plus fp8="age"'s ring
-        hbm_footprint=cfg.hbm_blocks * cfg.hbm_block_bytes
-        + cfg.batch * cfg.ring_blocks * cfg.block_bytes,
+        hbm_footprint=hbm_footprint(cfg),
         total_blocks=cfg.total_blocks,
         host_block_bytes=cfg.host_block_bytes,
         block_bytes=cfg.block_bytes,
@@ -173,6 +196,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--fp8", default="host,age:256,age:0", help="FP8 policies: host and/or age:N (N tokens)"
     )
+    ap.add_argument(
+        "--equal-hbm-bytes",
+        action="store_true",
+        help="give each FP8 policy the HBM bytes FP8 off takes at that --hbm (pool plus ring, "
+        "in blocks at their storage bytes) instead of the same hbm_capacity",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     for name in ("batch", "prompt_len", "steps", "block_size"):
@@ -217,13 +246,20 @@ def main(argv=None) -> int:
         if a not in full:
             full[a] = _run(model, params, windows, args.prompt_len, args.steps, 1.0, "static", a,
                            "off", args.profile, args.block_size)  # fmt: skip
-        args_ = (model, params, windows, args.prompt_len, args.steps, h, pol, a)
-        ref = _run(*args_, "off", args.profile, args.block_size)
+        args_ = (model, params, windows, args.prompt_len, args.steps)
+        ref = _run(*args_, h, pol, a, "off", args.profile, args.block_size)
         for f in fp8s:
-            q = _run(*args_, f, args.profile, args.block_size)
+            hq, fits = h, True
+            if args.equal_hbm_bytes:  # the pool blocks FP8 off's HBM bytes buy under f
+                probe = _config(mc, args.batch, length, args.block_size, 1.0, f)
+                hq, fits = equal_bytes_blocks(probe, ref["hbm_footprint"])
+            q = _run(*args_, hq, pol, a, f, args.profile, args.block_size)
             rows.append(
-                dict(attention=a, hbm=h, policy=pol, fp8=f, **compare(full[a], ref, q, truth))
-            )
+                dict(
+                    attention=a, hbm=h, policy=pol, fp8=f, fits_budget=fits,
+                    **compare(full[a], ref, q, truth),
+                )
+            )  # fmt: skip
     out = dict(
         model=args.model,
         geometry=f"{mc.num_layers} layers, {mc.num_kv_heads} kv heads x {mc.head_dim}",
@@ -235,6 +271,7 @@ def main(argv=None) -> int:
         profile=args.profile,
         device=str(jax.devices()[0].device_kind),
         jax=jax.__version__,
+        hbm_budget="equal bytes" if args.equal_hbm_bytes else "equal hbm_capacity",
         wall_s=time.perf_counter() - t0,
         rows=rows,
     )
@@ -244,7 +281,12 @@ def main(argv=None) -> int:
     print(
         f"FP8 KV blocks vs {args.dtype}, {out['model']} ({out['geometry']}), {out['text']}, "
         f"batch {args.batch} x ({args.prompt_len} prompt + {args.steps} teacher-forced steps); "
-        f"{out['device']}, jax {out['jax']}; modeled on {args.profile}"
+        f"{out['device']}, jax {out['jax']}; modeled on {args.profile}; HBM: "
+        + (
+            "every FP8 policy gets the HBM bytes FP8 off takes (pool + ring)"
+            if args.equal_hbm_bytes
+            else "the same hbm_capacity (in blocks) for every policy"
+        )
     )
     head = (
         f"{'attn':>6} {'HBM':>6} {'policy':>8} {'fp8':>8} {'FP8 reads':>9} {'KL mean':>9} "
@@ -265,6 +307,7 @@ def main(argv=None) -> int:
             f"{r['ppl_fp8']:>8.3f} {r['ppl_delta_pct']:>+7.3f} {r['link_traffic_cut_pct']:>7.1f}% "
             f"{r['kv_traffic_cut_pct']:>6.1f}% {r['tokens_per_s_gain']:>8.3f} "
             f"{r['hbm_footprint_ratio']:>6.2f}x"
+            + ("" if r["fits_budget"] else "  (tails + ring exceed the budget)")
         )
     print(
         "KL, top-1 and ppl against the all-HBM full-precision cache. 'KL floor': the same "
