@@ -86,18 +86,21 @@ def _config(mc, batch, max_len, bs, hbm, fp8) -> CacheConfig:
     )
 
 
+def ring_bytes(cfg: CacheConfig) -> int:
+    """HBM bytes per layer of fp8="age"'s full-precision ring (0 without one)."""
+    return cfg.batch * cfg.ring_blocks * cfg.block_bytes
+
+
 def hbm_footprint(cfg: CacheConfig) -> int:
-    """HBM bytes the KV takes per layer: the pool at its storage bytes, plus fp8="age"'s
-    full-precision ring."""
-    return cfg.hbm_blocks * cfg.hbm_block_bytes + cfg.batch * cfg.ring_blocks * cfg.block_bytes
+    """HBM bytes the KV takes per layer: the pool at its storage bytes, plus the ring."""
+    return cfg.hbm_blocks * cfg.hbm_block_bytes + ring_bytes(cfg)
 
 
 def equal_bytes_blocks(cfg: CacheConfig, budget: int) -> tuple[int, bool]:
     """(HBM pool blocks per layer, fits) for `cfg`'s FP8 policy in `budget` HBM bytes per layer:
     what the ring leaves, in pool blocks at their storage bytes, between the tails (`batch`)
     and the whole cache; fits is False when even the tails and the ring exceed the budget."""
-    ring = cfg.batch * cfg.ring_blocks * cfg.block_bytes
-    n = (budget - ring) // cfg.hbm_block_bytes
+    n = (budget - ring_bytes(cfg)) // cfg.hbm_block_bytes
     return int(min(max(n, cfg.batch), cfg.total_blocks)), n >= cfg.batch
 
 

@@ -236,6 +236,11 @@ def transfer_failures(row: dict, layers: int) -> list[str]:
     return out
 
 
+def group_key(row: dict) -> tuple:
+    """(fn, batch, mode, policy) of a case row: the rows that differ only in context."""
+    return (row["fn"], row["batch"], row["mode"], row["policy"])
+
+
 def check(cases: list[dict], layers: int) -> list[str]:
     """The must-hold failures of a list of case rows (see the module docstring)."""
     fails = []
@@ -260,7 +265,7 @@ def check(cases: list[dict], layers: int) -> list[str]:
         if r["unknown_trip_loops"]:
             fails.append(f"{tag}: {r['unknown_trip_loops']} unknown-trip loops (expected 0)")
         fails += [f"{tag}: {m}" for m in transfer_failures(r, layers)]
-        key = (r["fn"], r["batch"], r["mode"], r["policy"])
+        key = group_key(r)
         groups.setdefault(key, {})[r["context"]] = r["gpu_ops"]
         programs.setdefault(key, {})[r["context"]] = (r["program_ops"], r["program_digest"])
     for key, by_ctx in programs.items():
@@ -410,8 +415,6 @@ def main(argv=None) -> int:
             fp8=fp8, fp8_age=fp8_age,
         )  # fmt: skip
         for fn, (mod, a) in res.items():
-            group = (fn, b, "-" if shape_only else mode, "-" if shape_only else pol)
-            sources.setdefault(group, {})[ctx] = a["ops_by_source"]
             rows.append(
                 dict(
                     fn=fn,
@@ -434,6 +437,7 @@ def main(argv=None) -> int:
                     compile_s=round(mod.compile_seconds, 2),
                 )
             )
+            sources.setdefault(group_key(rows[-1]), {})[ctx] = a["ops_by_source"]
     if args.explain:
         for line in explain(sources) or ["no source op executes differently between contexts"]:
             print(line, file=sys.stderr)
