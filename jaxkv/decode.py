@@ -75,7 +75,7 @@ from jaxkv.decode_state import (
     summarize,
 )
 from jaxkv.pricing import adapt_window
-from jaxkv.sampling import Greedy, Sampling
+from jaxkv.sampling import Greedy, Sampling, eos_ids, is_eos
 
 __all__ = [
     "DecodeState",
@@ -110,7 +110,7 @@ class Decoder:
       max_new_tokens: tokens to generate per sequence (the prefill token included).
       sampler: `Greedy()` or `Sampling(...)`.
       profile: a HardwareProfile or a preset name, for the modeled latency.
-      eos_id: token id that finishes a sequence, or None.
+      eos_id: the stop token(s): an int, a sequence of ints (instruct models list several), or None.
       impl: attention implementation, "auto" | "xla" | "pallas".
       ema_decay: decay of the per-block read statistics per step.
       policy_kwargs: knob overrides of an anneal policy (`jaxkv.presets.KNOBS`, e.g.
@@ -142,7 +142,7 @@ class Decoder:
         max_new_tokens: int = 128,
         sampler=Greedy(),
         profile: HardwareProfile | str = "gh200",
-        eos_id: int | None = None,
+        eos_id: int | tuple | list | None = None,
         impl: str = "auto",
         ema_decay: float = 0.9,
         policy_kwargs: dict | None = None,
@@ -162,7 +162,7 @@ class Decoder:
             max_new_tokens=max_new_tokens,
             sampler=sampler,
             profile=profile,
-            eos_id=eos_id,
+            eos_id=eos_ids(eos_id, mc.vocab_size),
             impl=impl,
             ema_decay=ema_decay,
             weight_bytes_per_layer=weight_bytes,
@@ -337,7 +337,7 @@ class Decoder:
         L, B, M = c.num_layers, c.batch, c.max_blocks
         n = self.max_new_tokens
         zeros_f = jnp.zeros((n,), jnp.float32)
-        done = (first == self.eos_id) if self.eos_id is not None else jnp.zeros((B,), bool)
+        done = is_eos(first, self.eos_id)
         return DecodeState(
             cache=cache,
             sampling=SamplingState(
@@ -481,7 +481,7 @@ class Decoder:
         nxt = jnp.where(active, nxt, sm.last)
         col = jnp.minimum(sm.step + 1, self.max_new_tokens - 1)
         tokens = sm.tokens.at[:, col].set(jnp.where(active, nxt, sm.tokens[:, col]))
-        done = sm.done | (active & (nxt == self.eos_id) if self.eos_id is not None else False)
+        done = sm.done | (active & is_eos(nxt, self.eos_id))
         return key, nxt, tokens, done
 
     def _step_latency(self, hbm_b, host_b, moved, promoted, demoted, link_mig=None):

