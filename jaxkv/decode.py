@@ -48,7 +48,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import cache as kvc
-from jaxkv import importance as imp
 from jaxkv._pytree import replace
 from jaxkv.attention import resolve_impl, tiered_attention
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
@@ -57,6 +56,7 @@ from jaxkv.decode_follow import apply_follow_moves, empty_follow_moves, follow_l
 from jaxkv.decode_observation import layer_windows, observation, placeable
 from jaxkv.decode_setup import (
     check_decoder_args,
+    check_prefilled,
     check_prompts,
     layer_weight_bytes,
     live_policy,
@@ -67,8 +67,10 @@ from jaxkv.decode_state import (
     DecodeState,
     Metrics,
     PlacementState,
+    Prefilled,
     SamplingState,
     Statistics,
+    initial_state,
     link_migration_bytes,
     new_window,
     record_step,
@@ -190,6 +192,8 @@ class Decoder:
             out = dict(out_shardings=DecodeState(cache=kvc.cache_shardings(cache_config), **none))
         return dict(
             _prefill=jax.jit(self._prefill_impl, **out),
+            _model_prefill=jax.jit(self._model_prefill_impl),
+            _start=jax.jit(self._start_impl, **out),
             decode_step=jax.jit(
                 functools.partial(self._step_impl, plan=False), donate_argnums=(1,), **out
             ),
@@ -235,7 +239,7 @@ class Decoder:
 
     # ---- public API ---------------------------------------------------------------------------
 
-    def prefill(self, params, prompts, lengths=None, *, key=None) -> DecodeState:
+    def prefill(self, params, prompts, lengths=None, *, key=None, prefilled=None) -> DecodeState:
         """Runs the prompts through the model, fills the cache and samples the first token.
 
         Args:
@@ -243,12 +247,26 @@ class Decoder:
           prompts: [batch, T] int32 token ids (right-padded when lengths differ).
           lengths: [batch] prompt lengths (default: all T).
           key: PRNG key for sampling (default: key 0).
+          prefilled: `model_prefill(params, prompts, lengths)` of any Decoder of this model:
+            starts from that forward pass instead of running the model again (several
+            decoders, e.g. one per policy, from one prompt).
         """
         vocab_size = self.model_config.vocab_size
         prompts, lengths = check_prompts(prompts, lengths, self.cache_config, vocab_size)
         key = jax.random.key(0) if key is None else key
-        return self._prefill(
-            params, prompts.astype(jnp.int32), jnp.asarray(lengths, jnp.int32), key
+        prompts, lengths = prompts.astype(jnp.int32), jnp.asarray(lengths, jnp.int32)
+        if prefilled is None:
+            return self._prefill(params, prompts, lengths, key)
+        check_prefilled(prefilled, prompts, lengths, self.model_config)
+        return self._start(prefilled, key)
+
+    def model_prefill(self, params, prompts, lengths=None) -> Prefilled:
+        """The model's forward pass over the prompts (`prefill`'s expensive part) as a
+        `Prefilled` (last logits and every layer's K, V), for `prefill(prefilled=...)`."""
+        vocab_size = self.model_config.vocab_size
+        prompts, lengths = check_prompts(prompts, lengths, self.cache_config, vocab_size)
+        return self._model_prefill(
+            params, prompts.astype(jnp.int32), jnp.asarray(lengths, jnp.int32)
         )
 
     def step(self, params, state: DecodeState) -> DecodeState:
@@ -324,48 +342,23 @@ class Decoder:
 
     # ---- implementation -----------------------------------------------------------------------
 
+    def _model_prefill_impl(self, params, prompts, lengths) -> Prefilled:
+        logits, k, v = _merge(self.graphdef, params).prefill(prompts)
+        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        return Prefilled(last_logits=last, k=k, v=v, lengths=lengths)
+
     def _prefill_impl(self, params, prompts, lengths, key) -> DecodeState:
+        return self._start_impl(self._model_prefill_impl(params, prompts, lengths), key)
+
+    def _start_impl(self, pre: Prefilled, key) -> DecodeState:
         c = self.cache_config
-        model = _merge(self.graphdef, params)
-        logits, k, v = model.prefill(prompts)
-        cache = kvc._prefill(
-            kvc.TieredKVCache.create(c), k.astype(c.jnp_dtype), v.astype(c.jnp_dtype), lengths
-        )
+        kv = (pre.k.astype(c.jnp_dtype), pre.v.astype(c.jnp_dtype))
+        cache = kvc._prefill(kvc.TieredKVCache.create(c), *kv, pre.lengths)
         key, sub = jax.random.split(key)
-        last_logits = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        first = self.sampler(last_logits, sub)
-        L, B, M = c.num_layers, c.batch, c.max_blocks
-        n = self.max_new_tokens
-        zeros_f = jnp.zeros((n,), jnp.float32)
-        done = is_eos(first, self.eos_id)
-        return DecodeState(
-            cache=cache,
-            sampling=SamplingState(
-                tokens=jnp.zeros((B, n), jnp.int32).at[:, 0].set(first),
-                last=first,
-                done=done,
-                step=jnp.int32(0),
-                key=key,
-            ),
-            placement=new_window(
-                jnp.int32(self.placement.window), jnp.float32(0), self.policy.init(L, B * M)
-            ),
-            statistics=Statistics(
-                blocks=imp.init_stats(L, B * M, decay=self.ema_decay),
-                step_mass=jnp.zeros((L, B, M), jnp.float32),
-            ),
-            metrics=Metrics(
-                hbm_bytes=zeros_f,
-                host_bytes=zeros_f,
-                latency=zeros_f,
-                migrated_blocks=jnp.int32(0),
-                hbm_reads=jnp.float32(0),
-                total_reads=jnp.float32(0),
-                windows=jnp.int32(0),
-                window_trace=jnp.zeros((n,), jnp.int32),
-                moved_trace=jnp.zeros((n,), jnp.int32),
-            ),
-        )
+        first = self.sampler(pre.last_logits, sub)
+        pol = self.policy.init(c.num_layers, c.batch * c.max_blocks)
+        done, w, n = is_eos(first, self.eos_id), self.placement.window, self.max_new_tokens
+        return initial_state(cache, first, done, key, w, pol, n, self.ema_decay)
 
     def _active(self, state: DecodeState):
         """[batch] bool: the sequences this step decodes (not done, room in the cache and in

