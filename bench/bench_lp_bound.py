@@ -25,6 +25,7 @@ from jaxkv import cost
 from jaxkv.quant import fp8_block_bytes
 from jaxkv.sim import lp_bound as lpb
 from jaxkv.sim import simulate as sim
+from jaxkv.sim import sizing
 from jaxkv.sim import trace as tr
 from jaxkv.sim.cli import add_simulation_args, simulation_kwargs
 
@@ -43,18 +44,18 @@ def run(spec: str, sparsity: float, names, args) -> dict:
     t = time.perf_counter()
     res = sim.simulate(trace, names, sparsity=sparsity, progress=not args.quiet, **kw)
     res["wall_s"] = time.perf_counter() - t
-    g, profile = kw["geometry"], kw["profile"]
+    # the geometry, batch and pool simulate costed the trace in (jaxkv.sim.sizing)
+    g = cost.batched(sizing.resolve_geometry(trace, kw["geometry"])[0], kw["batch"])
+    profile, bs = kw["profile"], trace.block_size
     if args.fp8 == "host":  # the LP prices blocks at bf16 bytes over the FP8 link's bandwidth
-        bb = g.token_bytes * args.block_size
-        profile = cost.link_profile(
-            profile, bb, fp8_block_bytes(args.block_size, g.kv_heads, g.head_dim)
-        )
+        fp8_bytes = fp8_block_bytes(bs, g.kv_heads, g.head_dim) * g.batch
+        profile = cost.link_profile(profile, g.token_bytes * bs, fp8_bytes)
     lp = lpb.lp_bound_seconds(
         trace,
         sparsity,
         geometry=g,
         profile=profile,
-        capacity_blocks=args.capacity_blocks,
+        capacity_blocks=res["setup"]["capacity_blocks"],
         hbm_budget=kw["hbm_budget"],
         steps=args.steps,
         solver=args.solver,

@@ -123,7 +123,8 @@ def main(argv=None) -> int:
     print(f"# command: .venv/bin/python bench/bench_simulate.py {' '.join(sys.argv[1:])}")
     print(
         f"# prompt {args.prompt_len}, {args.steps} steps, {args.layers} layers, geometry "
-        f"{args.geometry}, profile {args.profile}, anneal W={args.window} interval="
+        f"{args.geometry}, batch {args.batch}, profile {args.profile}, anneal W={args.window} "
+        f"interval="
         f"{args.interval} discount={args.discount} ride="
         f"{'default' if args.ride is None else args.ride} (+now W={args.now_window}, ride "
         f"{1 if args.ride is None else args.ride}, spread {args.now_spread}; oracle W="

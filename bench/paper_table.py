@@ -42,7 +42,11 @@ from bench_simulate import row  # noqa: E402  (its cell: latency (/ Unlimited, h
 from jaxkv import cost  # noqa: E402
 from jaxkv.sim import simulate as sim  # noqa: E402
 from jaxkv.sim import trace as tr  # noqa: E402
-from jaxkv.sim.cli import add_simulation_args, simulation_kwargs  # noqa: E402
+from jaxkv.sim.cli import (  # noqa: E402
+    DEFAULT_HBM_GB,
+    add_simulation_args,
+    simulation_kwargs,
+)
 
 SPARSITIES = (0.4, 0.5, 0.6, 0.8, 0.85, 0.9)
 MAIN_TRACE = "real-like"  # calibrated to a recorded trace (jaxkv.sim.trace): the paper's real trace
@@ -134,7 +138,8 @@ def pool_blocks(args) -> int:
     if args.capacity_blocks is not None:
         return args.capacity_blocks
     geometry = cost.get_geometry(args.geometry)
-    return cost.pool_capacity(geometry, args.hbm_gb * 1e9, geometry.num_layers, args.block_size)[1]
+    budget = (DEFAULT_HBM_GB if args.hbm_gb is None else args.hbm_gb) * 1e9
+    return cost.pool_capacity(geometry, budget, geometry.num_layers, args.block_size)[1]
 
 
 def sa_grid(text: str):

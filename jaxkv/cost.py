@@ -110,14 +110,19 @@ def capacity_bound_step_time(
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
-    """Model geometry for the cost model.
+    """Model geometry for the cost model: what one decode step reads.
 
     Attributes:
-      name: preset name.
+      name: preset name (or the recording model's, for a trace's own geometry).
       num_layers, kv_heads, head_dim: KV geometry.
       dtype_bytes: bytes per K or V element.
       weight_bytes: weight bytes read per layer per decode step (HBM side).
       param_bytes: all parameter bytes resident in HBM (reduces the KV budget).
+      batch: sequences decoding together, each reading the same blocks (a modeled batch of
+        identical sequences, `batched`): a step reads (and writes, and migrates) the KV of
+        every one, its weights once; `token_bytes` counts the batch's sequences, so every byte
+        count and pool size derived from it (`hbm_capacity_tokens`, `pool_capacity`, the
+        simulator's `Setup`, its bounds) is the batch's.
     """
 
     name: str
@@ -127,14 +132,16 @@ class Geometry:
     dtype_bytes: int
     weight_bytes: float
     param_bytes: float
+    batch: int = 1
 
     @property
     def token_bytes(self) -> int:
-        """K and V bytes of one token in one layer."""
-        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+        """K and V bytes of one token position in one layer, over the batch's sequences."""
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes * self.batch
 
     def hbm_capacity_tokens(self, hbm_budget_bytes: float) -> int:
-        """KV tokens per layer that fit in HBM: (budget - params) / (layers x token bytes)."""
+        """KV tokens per layer (per sequence of the batch) that fit in HBM: (budget - params) /
+        (layers x token bytes)."""
         kv = hbm_budget_bytes - self.param_bytes
         if kv <= 0:
             raise ValueError(
@@ -164,6 +171,14 @@ def get_geometry(name: str) -> Geometry:
     if name not in GEOMETRIES:
         raise ValueError(f"unknown geometry {name!r}; expected one of {sorted(GEOMETRIES)}")
     return GEOMETRIES[name]
+
+
+def batched(geometry: Geometry, batch: int) -> Geometry:
+    """`geometry` with `batch` sequences decoding together (see `Geometry.batch`): per step the
+    KV bytes scale by `batch`, the weights do not, and the pool a budget leaves holds `batch`
+    sequences' blocks. Raises ValueError unless batch is an integer >= 1."""
+    check_number("batch", batch, integer=True, low=1)
+    return geometry if geometry.batch == batch else dataclasses.replace(geometry, batch=batch)
 
 
 def paper_unlimited_seconds(
@@ -212,6 +227,8 @@ def pool_capacity(
 ):
     """(geometry with `num_layers` layers, HBM pool blocks per layer): `capacity_blocks` when
     given, else what `hbm_budget` bytes leave for KV after the weights, less the tail block.
+    Under a batch (`Geometry.batch`) the pool is per sequence: the budget holds `batch` pools of
+    that many blocks (and tails) per layer, and `capacity_blocks` is taken as one sequence's.
 
     Raises ValueError when the budget leaves no room for one block, or capacity_blocks < 0.
     """

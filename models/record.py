@@ -2,7 +2,9 @@
 
 Decodes a prompt with a model over a TieredKVCache and writes, for every decode step and layer,
 the blocks the step attended to and their attention mass (averaged over query heads, summed over
-each block's tokens) in the simulator's .npz format (`jaxkv.sim.trace`, version 1). With
+each block's tokens) in the simulator's .npz format (`jaxkv.sim.trace`, version 2), with the
+model's geometry (`model_geometry`: what `jaxkv simulate` costs the trace in by default) and the
+token each step produced. With
 `--sparsity 0` (exact attention) every block of the context is recorded; with `--sparsity S`
 decoding reads only the top (1 - S) fraction of blocks by the Quest bound (plus sink and recent
 blocks) and the trace holds those read sets.
@@ -18,13 +20,48 @@ import sys
 import tempfile
 from pathlib import Path
 
+import jax
 import numpy as np
 from flax import nnx
 
+from jaxkv import cost
 from jaxkv.config import CacheConfig, PlacementConfig, check_number
 from jaxkv.decode import Decoder
 from jaxkv.sim import trace as kvtrace
 from models.generate import check_model_spec, encode, load_model
+
+
+def model_geometry(model, name: str) -> cost.Geometry:
+    """The cost model's geometry of `model` (a models.Llama), its sizes counted from its state.
+
+    param_bytes: every parameter's bytes. weight_bytes, read per layer per decode step: one
+    layer's parameters (the stacked `layers` parameters over their leading layer axis) plus the
+    final norm and the LM head's matrix (the embedding when tied) spread evenly over the layers,
+    since a decode step reads every layer once and the head once for its logits (of the input
+    embedding it reads one row, not counted). dtype_bytes: the KV cache's element, the model's
+    dtype (`CacheConfig.for_model`; bf16: 2).
+    """
+    mc = model.config
+    total = layers = head = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
+        top = getattr(path[0], "key", None)
+        nbytes = int(leaf.size) * leaf.dtype.itemsize
+        total += nbytes
+        if top == "layers":
+            if leaf.shape[:1] != (mc.num_layers,):
+                keys = "/".join(str(getattr(k, "key", k)) for k in path)
+                raise ValueError(
+                    f"model parameter {keys} has shape {leaf.shape}, expected the stacked "
+                    f"layers' leading axis of {mc.num_layers}"
+                )
+            layers += nbytes
+        elif top in ("final_norm", "lm_head") or (top == "embed" and mc.tie_embeddings):
+            head += nbytes
+    L = mc.num_layers
+    dtype_bytes = np.dtype(mc.jnp_dtype).itemsize
+    return cost.Geometry(
+        name, L, mc.num_kv_heads, mc.head_dim, dtype_bytes, (layers + head) / L, total
+    )
 
 
 def record_trace(
@@ -35,6 +72,7 @@ def record_trace(
     sparsity: float = 0.0,
     block_size: int = 16,
     name: str = "recorded",
+    model_name: str = "model",
     progress: bool = True,
 ) -> kvtrace.FileTrace:
     """Greedy-decodes `steps` tokens after `prompt_ids` and returns the attention trace.
@@ -45,8 +83,11 @@ def record_trace(
       steps: decode steps to record (>= 1).
       sparsity: 0 for exact attention, else the fraction of blocks NOT read, in [0, 1).
       block_size: tokens per block of the trace and the cache.
+      name: the trace's label.
+      model_name: its geometry's name (`model_geometry`).
     Returns:
-      A validated FileTrace with ids/mass [steps, layers, K], K = blocks at the last step.
+      A validated FileTrace with ids/mass [steps, layers, K], K = blocks at the last step, the
+      model's geometry and the tokens [steps] the decode steps produced.
     """
     from tqdm.auto import tqdm
 
@@ -92,26 +133,31 @@ def record_trace(
             sel = np.flatnonzero(read[layer])
             ids[t, layer, : len(sel)] = sel
             mass[t, layer, : len(sel)] = m[layer, sel]
+    # column 0 of the token buffer is the prefill's token; decode step t produced column t + 1
+    tokens = np.asarray(state.tokens[0, 1 : steps + 1], np.int32)  # [steps]
     return kvtrace.validate(
         {
-            "version": 1,
+            "version": 2,
             "prompt_len": len(prompt_ids),
             "block_size": block_size,
             "ids": ids,
             "mass": mass,
             "name": name,
+            "tokens": tokens,
+            **kvtrace.geometry_fields(model_geometry(model, model_name)),
         }
     )
 
 
-def save_atomic(path: str | os.PathLike, trace: kvtrace.FileTrace) -> None:
-    """Writes the trace through a temporary file, so a failure leaves nothing half-written."""
+def save_atomic(path: str | os.PathLike, trace: kvtrace.FileTrace, *, compact=False) -> None:
+    """Writes the trace through a temporary file, so a failure leaves nothing half-written
+    (`compact`: `jaxkv.sim.trace.save`'s int16 ids and float16 mass)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".npz", dir=path.parent)
     os.close(fd)
     try:
-        kvtrace.save(tmp, trace)
+        kvtrace.save(tmp, trace, compact=compact)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give it a normal file's mode
@@ -174,13 +220,25 @@ def _cmd(args) -> int:
         sparsity=args.sparsity,
         block_size=args.block_size,
         name=args.name or text_path.name,
+        model_name="default" if args.model == "default" else Path(args.model).resolve().name,
     )
-    save_atomic(args.out, trace)
+    save_atomic(args.out, trace, compact=args.compact)
     print(
         f"wrote {args.out}: prompt {trace.prompt_len} tokens, {trace.steps} steps, "
         f"{trace.num_layers} layers, block {trace.block_size}"
     )
+    print(geometry_line(trace.geometry))
     return 0
+
+
+def geometry_line(g: cost.Geometry) -> str:
+    """What `jaxkv trace` says of the geometry it stored."""
+    return (
+        f"geometry {g.name} (what jaxkv simulate costs the trace in): {g.num_layers} layers, "
+        f"{g.kv_heads} KV heads x {g.head_dim}, {g.dtype_bytes} bytes an element "
+        f"({g.token_bytes:,} B a token-layer), {g.weight_bytes / 1e6:,.2f} MB of weights read "
+        f"per layer per step, {g.param_bytes / 1e6:,.1f} MB of parameters"
+    )
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -193,6 +251,11 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--sparsity", type=float, default=0.0)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--name", default=None)
+    p.add_argument("--name", default=None, help="the trace's label (default: the prompt file's)")
+    p.add_argument(
+        "--compact",
+        action="store_true",
+        help="store ids as int16 and mass as float16 (about half the file; the mass rounded)",
+    )
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd)

@@ -62,13 +62,16 @@ def error(capsys, argv) -> str:
         ("--oracle-tail", "-1", "--oracle-tail=-1: expected an integer >= 0"),
         ("--ride", "2", "--ride=2.0: expected a finite number in [0, 1]"),
         ("--capacity-blocks", "-1", "--capacity-blocks=-1: expected an integer >= 0"),
+        ("--hbm-fraction", "0", "--hbm-fraction=0.0: expected a finite number in (0, 1]"),
+        ("--batch", "0", "--batch=0: expected an integer >= 1"),
         ("--sparsity", "nan", "--sparsity=nan: expected a finite number in [0, 1)"),
         ("--chains", "0", "--chains=0: expected an integer >= 1"),
         ("--prompt-len", "-5", "--prompt-len=-5: expected an integer >= 0"),
         ("--layers", "0", "--layers=0: expected an integer >= 1"),
         ("--block-size", "0", "--block-size=0: expected an integer >= 1"),
         ("--profile", "tpu", "--profile='tpu': unknown hardware profile 'tpu'"),
-        ("--geometry", "gpt", "--geometry='gpt': unknown geometry 'gpt'"),
+        ("--geometry", "gpt", "--geometry='gpt': unknown geometry 'gpt'; expected one of"),
+        ("--geometry", "trace", "--geometry='trace': a synthetic trace carries no geometry"),
         ("--policies", ",", "--policies=',': expected comma-separated policy names"),
         ("--policies", "lru+aw", "--policies: policy 'lru+aw': modifiers (+aw) apply to"),
         ("--trace", "synthetic:zipf", "--trace='synthetic:zipf': unknown synthetic trace 'zipf'"),
@@ -86,6 +89,22 @@ def test_simulate_refuses_sizes_with_a_file_trace(capsys, no_work, tmp_path):
     assert "--steps, --layers size synthetic traces only; drop them" in error(capsys, argv)
     argv = ["simulate", "--trace", str(tmp_path / "t.npz"), "--block-size", "4"]
     assert "--block-size sizes synthetic traces only; drop it" in error(capsys, argv)
+
+
+@pytest.mark.parametrize(
+    "other, named",
+    [(["--capacity-blocks", "8"], "--capacity-blocks=8"), (["--hbm-gb", "24"], "--hbm-gb=24.0")],
+)
+def test_simulate_hbm_fraction_alone_sizes_the_pool(capsys, no_work, other, named):
+    line = error(capsys, ["simulate", "--hbm-fraction", "0.5", *other])
+    assert f"--hbm-fraction=0.5 and {named} both size the HBM pool: expected one of" in line
+
+
+def test_simulate_geometry_trace_needs_one_in_the_file(capsys, monkeypatch, tmp_path):
+    """--geometry trace on a version-1 file: named once the file is read, before any step."""
+    monkeypatch.setattr(simulate_cli, "simulate", lambda *a, **k: pytest.fail("simulated"))
+    argv = ["simulate", "--trace", _write_npz(tmp_path / "t.npz"), "--geometry", "trace"]
+    assert "--geometry='trace': the trace 'file' carries no geometry" in error(capsys, argv)
 
 
 def test_simulate_refuses_what_cannot_fit_in_memory(capsys, monkeypatch):

@@ -200,17 +200,18 @@ def test_cli_json(capsys):
 
 
 def test_cli_defaults_show_the_papers_regime():
-    """`jaxkv simulate` with no options: the paper's geometry, where the 24 GB budget leaves HBM
-    about half the KV at the 31,299-token prompt (Llama-3.1-8B's KV fits whole: one flag away),
-    and the table's first line says so."""
+    """`jaxkv simulate` with no options: the paper's geometry (a synthetic trace has none of its
+    own), where the 24 GB budget leaves HBM about half the KV at the 31,299-token prompt
+    (Llama-3.1-8B's KV fits whole: one flag away), and the table's first line says so."""
     from jaxkv import cost
-    from jaxkv.sim.cli import TRACE_SIZE, regime_line
+    from jaxkv.sim.cli import DEFAULT_GEOMETRY, DEFAULT_HBM_GB, TRACE_SIZE, regime_line
 
     args = cli.build_parser().parse_args(["simulate"])
-    assert args.geometry == "paper" and args.hbm_gb == cost.PAPER_HBM_BUDGET / 1e9
+    assert args.geometry is None and DEFAULT_GEOMETRY == "paper" and args.hbm_gb is None
+    assert DEFAULT_HBM_GB == cost.PAPER_HBM_BUDGET / 1e9
     tokens = TRACE_SIZE["prompt_len"] + TRACE_SIZE["steps"]
     for name, low, high in (("paper", 0.3, 0.7), ("llama3-8b", 1.0, 10.0)):
-        share = cost.get_geometry(name).hbm_capacity_tokens(args.hbm_gb * 1e9) / tokens
+        share = cost.get_geometry(name).hbm_capacity_tokens(DEFAULT_HBM_GB * 1e9) / tokens
         assert low <= share <= high, (name, share)
     setup = dict(capacity_blocks=990, blocks=2085, geometry="paper")
     assert regime_line({"setup": setup}).startswith("HBM holds 47% of the KV blocks per layer")

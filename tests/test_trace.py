@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from jaxkv import cost
 from jaxkv.sim import trace as tr
 
 
@@ -76,8 +77,8 @@ def test_negative_mass():
 
 
 def test_bad_version():
-    with pytest.raises(ValueError, match=r"field 'version' is 2, expected 1"):
-        tr.validate(fields(version=np.int64(2)))
+    with pytest.raises(ValueError, match=r"field 'version' is 3, expected 1 or 2"):
+        tr.validate(fields(version=np.int64(3)))
 
 
 def test_bad_block_size():
@@ -227,3 +228,130 @@ def test_load_not_an_archive(tmp_path):
     (tmp_path / "t.npz").write_text("hello")
     with pytest.raises(ValueError, match=r"t.npz': not a readable .npz archive \("):
         tr.load(tmp_path / "t.npz")
+
+
+# --------------------------------------------------------------------------- version 2
+
+GEOMETRY = cost.Geometry("rec", 1, 3, 64, 2, 9.0e6, 2.7e8)  # [1 layer] like fields()' trace
+
+
+def v2(**over):
+    """fields() of a version-2 trace: with its geometry and the tokens of its 2 steps."""
+    f = fields(version=np.int64(2), tokens=np.array([7, 2], np.int32))
+    f |= tr.geometry_fields(GEOMETRY)
+    f.update(over)
+    return f
+
+
+def test_version_2_round_trips_geometry_and_tokens(tmp_path):
+    t = tr.validate(v2())
+    assert t.geometry == GEOMETRY and t.tokens.dtype == np.int32
+    tr.save(tmp_path / "t.npz", t)
+    with np.load(tmp_path / "t.npz") as z:
+        assert int(z["version"]) == 2 and str(z["geometry_name"]) == "rec"
+    u = tr.load(tmp_path / "t.npz")
+    assert u.geometry == GEOMETRY
+    np.testing.assert_array_equal(u.tokens, [7, 2])
+    # without them a trace is written as version 1, which older readers load
+    tr.save(tmp_path / "v1.npz", tr.validate(fields()))
+    with np.load(tmp_path / "v1.npz") as z:
+        assert int(z["version"]) == 1 and "tokens" not in z.files
+    assert tr.load(tmp_path / "v1.npz").geometry is None
+    synthetic = tr.SyntheticTrace("patterns", 40, 4, 2, 8)
+    assert synthetic.geometry is None and synthetic.tokens is None
+    assert tr.to_file_trace(t).geometry == GEOMETRY  # materializing keeps them
+    np.testing.assert_array_equal(tr.to_file_trace(t).tokens, [7, 2])
+
+
+def test_compact_storage(tmp_path):
+    """compact: int16 ids and float16 mass on disk (a tiny mass stays positive), int32 and
+    float32 in memory; ids that do not fit int16 stay int32."""
+    mass = np.array([[[0.5, 1e-9, 0.0]], [[0.2, 0.3, 0.5]]], np.float32)
+    t = tr.validate(fields(mass=mass))
+    tr.save(tmp_path / "c.npz", t, compact=True)
+    with np.load(tmp_path / "c.npz") as z:
+        assert z["ids"].dtype == np.int16 and z["mass"].dtype == np.float16
+    u = tr.load(tmp_path / "c.npz")
+    assert u.ids.dtype == np.int32 and u.mass_values.dtype == np.float32
+    np.testing.assert_array_equal(u.ids, t.ids)
+    np.testing.assert_allclose(u.mass_values, mass, rtol=2**-11, atol=1e-7)
+    assert u.mass_values[0, 0, 1] > 0  # below float16's range, still read
+    big = np.array([[[40_000]], [[40_001]]], np.int32)  # block ids past int16
+    t = tr.validate(
+        fields(
+            prompt_len=np.int64(16 * 40_001),
+            block_size=np.int64(16),
+            ids=big,
+            mass=np.ones((2, 1, 1), np.float32),
+        )
+    )
+    tr.save(tmp_path / "b.npz", t, compact=True)
+    with np.load(tmp_path / "b.npz") as z:
+        assert z["ids"].dtype == np.int32
+    np.testing.assert_array_equal(tr.load(tmp_path / "b.npz").ids, big)
+
+
+def test_compact_mass_beyond_float16(tmp_path):
+    t = tr.validate(fields(mass=np.full((2, 1, 3), 1e5, np.float32)))
+    with pytest.raises(ValueError, match=r"stores mass as float16, whose largest value is 65504"):
+        tr.save(tmp_path / "c.npz", t, compact=True)
+
+
+def test_version_2_field_in_a_version_1_trace():
+    with pytest.raises(ValueError, match=r"'tokens' is a version-2 field, but 'version' is 1"):
+        tr.validate(fields(tokens=np.array([7, 2], np.int32)))
+
+
+def test_geometry_missing_a_field():
+    f = v2()
+    del f["geometry_head_dim"]
+    with pytest.raises(
+        ValueError, match=r"missing field 'geometry_head_dim': a geometry needs all"
+    ):
+        tr.validate(f)
+
+
+def test_geometry_of_other_depth():
+    with pytest.raises(
+        ValueError, match=r"'geometry_num_layers' is 30, expected the trace's 1 layers"
+    ):
+        tr.validate(v2(geometry_num_layers=np.int64(30)))
+
+
+def test_geometry_size_below_one():
+    with pytest.raises(ValueError, match=r"'geometry_kv_heads' is 0, expected an integer >= 1"):
+        tr.validate(v2(geometry_kv_heads=np.int64(0)))
+
+
+def test_geometry_negative_bytes():
+    with pytest.raises(
+        ValueError, match=r"'geometry_weight_bytes' is -1.0, expected a finite number >= 0"
+    ):
+        tr.validate(v2(geometry_weight_bytes=np.float64(-1.0)))
+
+
+def test_geometry_bytes_not_a_number():
+    with pytest.raises(
+        ValueError, match=r"'geometry_param_bytes' has dtype <U2 and shape \(\), expected a real"
+    ):
+        tr.validate(v2(geometry_param_bytes=np.str_("1e")))
+
+
+def test_geometry_name_not_a_string():
+    with pytest.raises(ValueError, match=r"'geometry_name' has dtype int64 and shape \(\), expec"):
+        tr.validate(v2(geometry_name=np.int64(1)))
+
+
+def test_tokens_of_other_length():
+    with pytest.raises(ValueError, match=r"'tokens' has shape \(3,\), expected \[steps\] = \(2,\)"):
+        tr.validate(v2(tokens=np.array([1, 2, 3])))
+
+
+def test_tokens_not_integers():
+    with pytest.raises(ValueError, match=r"'tokens' has dtype float32, expected an integer"):
+        tr.validate(v2(tokens=np.array([1.0, 2.0], np.float32)))
+
+
+def test_tokens_out_of_range():
+    with pytest.raises(ValueError, match=r"'tokens' has token -1, expected in \[0, 2147483647\]"):
+        tr.validate(v2(tokens=np.array([1, -1])))

@@ -17,8 +17,10 @@ from jaxkv.presets import split_name
 # allowed where the argument's default is None). `jaxkv simulate` checks its options by them.
 ARG_BOUNDS: dict[str, dict] = {
     "sparsity": dict(low=0.0, high=1.0, high_open=True),
+    "batch": dict(integer=True, low=1),
     "hbm_budget": dict(low=0.0, low_open=True),
     "capacity_blocks": dict(integer=True, low=0),
+    "hbm_fraction": dict(low=0.0, high=1.0, low_open=True),
     "chunk": dict(integer=True, low=1),
     "demote_cost": dict(low=0.0),
     "window": dict(integer=True, low=1),

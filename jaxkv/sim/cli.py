@@ -8,31 +8,71 @@ from jaxkv import cost
 from jaxkv.config import AnnealConfig, HardwareProfile, check_number
 from jaxkv.presets import NOW_SPREAD, NOW_WINDOW
 from jaxkv.quant import FP8_MODES
+from jaxkv.sim import sizing
 from jaxkv.sim import trace as tr
 from jaxkv.sim.checks import ARG_BOUNDS, check_args, check_policies
 from jaxkv.sim.simulate import DUAL_WINDOW, FOLLOW_WINDOW, simulate
+from jaxkv.sim.sizing import DEFAULT_GEOMETRY  # a trace without its own: the paper's regime
 
 # the sizes of a synthetic trace (`jaxkv.sim.trace.SyntheticTrace`) by default
 TRACE_SIZE = {"prompt_len": 31_299, "steps": 2_048, "layers": 32, "block_size": 16}
-DEFAULT_GEOMETRY = "paper"  # `jaxkv simulate`'s: the paper's regime (see add_cli)
+DEFAULT_HBM_GB = cost.PAPER_HBM_BUDGET / 1e9  # --hbm-gb when no option sizes the pool
 # `jaxkv simulate`'s own step count: a few minutes on 2 CPU cores with the default policies
 # (the paper decoded 10,239 steps; --steps 2048 is the benchmarks' length)
 SIMULATE_STEPS = 256
 
 
 def regime_line(result: dict) -> str:
-    """What share of the KV the HBM pool holds, and what that means for placement."""
+    """What share of the KV the HBM pool holds, and what that means for placement; when every
+    block fits, the options that would make the pool hold part of it (`pool_hints`)."""
     s = result["setup"]
     share = s["capacity_blocks"] / max(s["blocks"], 1)
-    what = (
-        "every block fits: placement cannot matter (try a smaller --hbm-gb or --geometry paper)"
-        if share >= 1
-        else "placement decides which reads cross the link"
-    )
+    what = "placement decides which reads cross the link"
+    if share >= 1:
+        what = "every block fits: placement cannot matter (try " + ", ".join(pool_hints(s)) + ")"
+    batch = s.get("batch", 1)
+    per = f", per sequence of a batch of {batch}" if batch > 1 else ""
     return (
         f"HBM holds {100 * min(share, 1):.0f}% of the KV blocks per layer "
-        f"({s['capacity_blocks']:,} of {s['blocks']:,}, geometry {s['geometry']}): {what}"
+        f"({s['capacity_blocks']:,} of {s['blocks']:,}{per}, {geometry_words(s)}): {what}"
     )
+
+
+def geometry_words(setup: dict) -> str:
+    """The geometry's name and where it came from, e.g. `geometry smollm2 (from the trace)`."""
+    source = sizing.GEOMETRY_SOURCES.get(setup.get("geometry_source"))
+    return f"geometry {setup['geometry']}" + (f" ({source})" if source else "")
+
+
+def pool_hints(setup: dict) -> list[str]:
+    """Options under which the pool of this run's setup would hold part of the KV, each checked
+    against `jaxkv.sim.sizing`'s sizing: --hbm-fraction 0.5; as the pool was sized, a smaller
+    --capacity-blocks, or the --hbm-gb that leaves about half, the smallest --batch that no
+    longer fits and --geometry paper where its pool would not hold every block."""
+    blocks, hints = setup["blocks"], ["--hbm-fraction 0.5"]
+    if setup.get("pool_from") == "capacity_blocks":
+        hints.append(f"--capacity-blocks below {blocks:,}")
+    keys = ("hbm_budget", "param_bytes", "token_bytes", "layers", "block_size")
+    if setup.get("pool_from") != "hbm_budget" or any(setup.get(k) is None for k in keys):
+        return hints
+    budget, params, tb, layers, bs = (setup[k] for k in keys)
+    batch = setup.get("batch", 1)
+    if blocks >= 2:  # half the blocks and each sequence's tail block
+        gb = (params + layers * batch * tb * bs * (blocks // 2 + 1)) / 1e9
+        hints.append(f"--hbm-gb {gb:.4g} (about half)")
+    more = int((budget - params) // (layers * tb * bs * (blocks + 1))) + 1
+    cap = int((budget - params) // (layers * tb * more)) // bs - 1
+    if cap >= 1:
+        hints.append(f"--batch {more} (a pool of {cap:,} blocks a sequence)")
+    if setup["geometry"] != "paper":
+        paper = cost.batched(cost.GEOMETRIES["paper"], batch)
+        try:
+            cap = cost.pool_capacity(paper, budget, layers, bs)[1]
+        except ValueError:  # no room at all for the paper's KV
+            cap = -1
+        if 1 <= cap < blocks:
+            hints.append(f"--geometry paper (a pool of {cap:,} blocks)")
+    return hints
 
 
 def format_table(result: dict) -> str:
@@ -42,7 +82,8 @@ def format_table(result: dict) -> str:
         regime_line(result),
         f"trace {s['trace']}  steps {s['steps']}  prompt {s['prompt_len']}  block {s['block_size']}"
         f"  layers {s['layers']}  HBM pool {s['capacity_blocks']}/{s['blocks']} blocks  "
-        f"s={s['sparsity']:g}  profile {s['profile']}  geometry {s['geometry']}",
+        f"s={s['sparsity']:g}  profile {s['profile']}  {geometry_words(s)}"
+        + (f"  batch {s['batch']}" if s.get("batch", 1) > 1 else ""),
         f"{'policy':<16}{'latency s':>11}{'tok/s':>9}{'vs static':>10}{'vs unlim':>9}"
         f"{'HBM hit':>9}{'migrated GB':>12}{'plan s':>9}{'+plan':>8}",
     ]
@@ -75,22 +116,46 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def add_simulation_args(p, *, geometry: str = "llama3-8b", chunk: int = 100) -> None:
+def add_simulation_args(p, *, geometry: str | None = "llama3-8b", chunk: int = 100) -> None:
     """The trace-size, cost-model and policy flags of `jaxkv simulate`, shared with
-    bench/bench_simulate.py; `simulation_kwargs` turns them into `simulate` arguments."""
+    bench/bench_simulate.py; `simulation_kwargs` turns them into `simulate` arguments.
+    `geometry`: --geometry's default (None: the trace's own, else the paper's)."""
     p.add_argument("--prompt-len", type=int, default=TRACE_SIZE["prompt_len"])
     p.add_argument("--steps", type=int, default=TRACE_SIZE["steps"])
     p.add_argument("--layers", type=int, default=TRACE_SIZE["layers"])
     p.add_argument("--profile", default="gh200-paper")
-    p.add_argument("--geometry", default=geometry)
+    p.add_argument(
+        "--geometry",
+        default=geometry,
+        help=f"the model a trace is costed as: {'|'.join(sorted(cost.GEOMETRIES))}, or trace "
+        "(the recording model's, stored in a recorded trace); default: "
+        + (geometry or f"the trace's own when it carries one, else {DEFAULT_GEOMETRY}"),
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="sequences decoding together, each reading the trace's blocks (a modeled batch of "
+        "identical sequences): KV bytes per step x B, weights once, the HBM budget holds B pools",
+    )
     p.add_argument(
         "--hbm-gb",
         type=float,
-        default=cost.PAPER_HBM_BUDGET / 1e9,
-        help="HBM in all (weights + KV), GB",
+        default=None,
+        help=f"HBM in all (weights + the batch's KV), GB; default {DEFAULT_HBM_GB:g}",
     )
     p.add_argument(
-        "--capacity-blocks", type=int, default=None, help="HBM pool blocks per layer (overrides)"
+        "--capacity-blocks",
+        type=int,
+        default=None,
+        help="HBM pool blocks per layer of each sequence (overrides --hbm-gb)",
+    )
+    p.add_argument(
+        "--hbm-fraction",
+        type=float,
+        default=None,
+        help="HBM pool per layer of each sequence as this fraction of the trace's blocks, in "
+        "(0, 1]; not with --capacity-blocks or --hbm-gb",
     )
     p.add_argument("--window", type=int, default=10, help="anneal lookahead W")
     p.add_argument("--interval", type=int, default=1, help="anneal: steps between plans (>= 1)")
@@ -186,25 +251,36 @@ def check_simulation_args(args) -> None:
         if value is not None:
             check_number(option, value, integer=True, low=low)
     check_number("--chains", args.chains, integer=True, low=1)
-    for option, name, lookup in (
-        ("--profile", args.profile, HardwareProfile.preset),
-        ("--geometry", args.geometry, cost.get_geometry),
-    ):
-        try:
-            lookup(name)
-        except ValueError as e:
-            raise ValueError(f"{option}={name!r}: {e}") from None
+    if args.hbm_fraction is not None:
+        for option, value in (
+            ("--capacity-blocks", args.capacity_blocks),
+            ("--hbm-gb", args.hbm_gb),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"--hbm-fraction={args.hbm_fraction!r} and {option}={value!r} both size the "
+                    "HBM pool: expected one of --hbm-fraction, --capacity-blocks, --hbm-gb"
+                )
+    try:
+        HardwareProfile.preset(args.profile)
+    except ValueError as e:
+        raise ValueError(f"--profile={args.profile!r}: {e}") from None
+    if args.geometry not in (None, "trace"):
+        sizing.resolve_geometry(None, args.geometry, "--geometry")
 
 
 def simulation_kwargs(args) -> dict:
     """`simulate` keyword arguments from the flags of `add_simulation_args`, checked first
     (`check_simulation_args`)."""
     check_simulation_args(args)
+    geometry = args.geometry
     return dict(
         profile=HardwareProfile.preset(args.profile),
-        geometry=cost.get_geometry(args.geometry),
-        hbm_budget=args.hbm_gb * 1e9,
+        geometry=geometry if geometry in (None, "trace") else cost.get_geometry(geometry),
+        batch=args.batch,
+        hbm_budget=(DEFAULT_HBM_GB if args.hbm_gb is None else args.hbm_gb) * 1e9,
         capacity_blocks=args.capacity_blocks,
+        hbm_fraction=args.hbm_fraction,
         chunk=args.chunk,
         demote_cost=args.demote_cost,
         fp8=args.fp8,
@@ -241,10 +317,11 @@ def add_cli(sub) -> None:
     p.add_argument("--sparsity", type=float, default=0.6)
     p.add_argument("--policies", default="static,lru,page,paper-sa,anneal,anneal-oracle,unlimited")
     p.add_argument("--block-size", type=int, default=None)
-    # the paper's regime by default: its MHA geometry (16 KiB per token-layer) under the 24 GB
-    # budget leaves HBM about half the KV, so placement decides the step time; Llama-3.1-8B's
-    # GQA KV (4 KiB) fits whole in the same budget: --geometry llama3-8b
-    add_simulation_args(p, geometry=DEFAULT_GEOMETRY)
+    # a recorded trace that stores its model's geometry is costed in it; any other in the
+    # paper's regime: its MHA geometry (16 KiB per token-layer) under the 24 GB budget leaves
+    # HBM about half the KV, so placement decides the step time; Llama-3.1-8B's GQA KV (4 KiB)
+    # fits whole in the same budget: --geometry llama3-8b
+    add_simulation_args(p, geometry=None)
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     # the trace sizes apply to synthetic traces only: None tells a default from a given option
@@ -267,6 +344,11 @@ def check_cli_args(args) -> list[str]:
         defaults = TRACE_SIZE | {"steps": SIMULATE_STEPS}
         for name, value in sizes.items():
             setattr(args, name, defaults[name] if value is None else value)
+        if args.geometry == "trace":
+            raise ValueError(
+                f"--geometry='trace': a synthetic trace carries no geometry; expected one of "
+                f"{sorted(cost.GEOMETRIES)} (or a recorded .npz trace that stores one)"
+            )
     else:
         given = [_option(n) for n, v in sizes.items() if v is not None]
         if given:
@@ -298,6 +380,8 @@ def _main(args) -> int:
         block_size=args.block_size,
         seed=args.seed,
     )
+    if args.geometry == "trace":  # a file without a geometry: named by its option
+        sizing.resolve_geometry(trace, "trace", "--geometry")
     result = simulate(trace, names, sparsity=args.sparsity, progress=not args.no_progress, **kwargs)
     if args.json:
         keys = (
@@ -324,10 +408,13 @@ def _main(args) -> int:
 
 
 __all__ = [
+    "DEFAULT_HBM_GB",
     "add_cli",
     "add_simulation_args",
     "check_cli_args",
     "check_simulation_args",
     "format_table",
+    "geometry_words",
+    "pool_hints",
     "simulation_kwargs",
 ]

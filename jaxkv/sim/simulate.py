@@ -60,10 +60,11 @@ plan time measured on the present device times the number of plans, and
 `vs_unlimited_with_plan` charges it serially (planning on the critical path, no overlap).
 
 `simulate` runs its steps in order: the argument checks (`jaxkv.sim.checks`, and `check_memory`
-here), the policies (`make_policy`), the LP dual's pre-pass for the policies that need its values
-(`_dual_pass`), the chunked replay with the per-chunk Unlimited and capacity bounds
-(`jaxkv.sim.replay`), the cache bound (`_cache_bound`), the plan timing (`jaxkv.sim.timing`) and
-the result table (`_table`). The command line (`jaxkv simulate`) is in `jaxkv.sim.cli`.
+here), the geometry, batch and HBM pool (`jaxkv.sim.sizing`), the policies (`make_policy`), the
+LP dual's pre-pass for the policies that need its values (`_dual_pass`), the chunked replay with
+the per-chunk Unlimited and capacity bounds (`jaxkv.sim.replay`), the cache bound
+(`_cache_bound`), the plan timing (`jaxkv.sim.timing`) and the result table (`_table`). The
+command line (`jaxkv simulate`) is in `jaxkv.sim.cli`.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ from jaxkv.presets import NOW_SPREAD, NOW_WINDOW
 from jaxkv.pricing import Ride
 from jaxkv.quant import FP8_MODES, fp8_block_bytes
 from jaxkv.sim import bounds as bnd
+from jaxkv.sim import sizing
 from jaxkv.sim.checks import (
     ARG_BOUNDS,
     check_args,
@@ -182,10 +184,12 @@ def simulate(
     policies,
     *,
     profile: HardwareProfile,
-    geometry: cost.Geometry,
     sparsity: float,
+    geometry: cost.Geometry | str | None = None,
+    batch: int = 1,
     hbm_budget: float = cost.PAPER_HBM_BUDGET,
     capacity_blocks: int | None = None,
+    hbm_fraction: float | None = None,
     chunk: int = 100,
     demote_cost: float = 0.0,
     keep_fetched: bool = False,
@@ -216,10 +220,21 @@ def simulate(
     Args:
       trace: a FileTrace or SyntheticTrace (`jaxkv.sim.trace`).
       policies: names (see the module docstring).
-      profile, geometry: cost model.
+      profile: the tiers' bandwidths.
       sparsity: s in [0, 1).
+      geometry: the model the trace is costed as (`jaxkv.sim.sizing.resolve_geometry`): None
+        (default) the trace's own when it carries one (a recorded version-2 file), else the
+        paper's; "trace" the trace's own; a preset name or a `jaxkv.cost.Geometry`. A geometry
+        of other depth than the trace is costed with the trace's layers.
+      batch: B sequences decoding together, each reading the trace's blocks (a modeled batch of
+        identical sequences, placed alike): per step the KV bytes (HBM and link reads, writes,
+        migrations) scale by B, the weights are read once (`jaxkv.cost.batched`); the budget
+        holds B pools (capacity_blocks and hbm_fraction are per sequence); tokens_per_s counts
+        the batch's tokens. batch=1 is the unbatched simulator, figure for figure.
       hbm_budget: HBM bytes in all; the KV pool gets (budget - params) / layers per layer.
       capacity_blocks: overrides the HBM pool blocks per layer.
+      hbm_fraction: the pool holds this fraction of the trace's blocks per layer (in (0, 1],
+        at least one block); not with capacity_blocks (`jaxkv.sim.sizing.pool_blocks`).
       chunk: steps per compiled chunk.
       demote_cost: bytes per side of a demotion, as a fraction of a block (0: inclusive host).
       keep_fetched: a block read from host at the previous step is promoted for the HBM write
@@ -262,7 +277,9 @@ def simulate(
         sweep over one policy's knobs); only for anneal names.
     Returns:
       {"policies": {name: {latency_s, tokens_per_s, speedup_vs_static, vs_unlimited,
-        hbm_hit_rate, migrated_bytes, plan_seconds, ...}}, "bounds": {...}, "setup": {...}}.
+        hbm_hit_rate, migrated_bytes, plan_seconds, ...}}, "bounds": {...}, "setup": {...,
+        geometry, geometry_source ("trace", "given" or "default": `jaxkv.sim.sizing`), batch,
+        capacity_blocks, pool_from ("capacity_blocks", "hbm_fraction" or "hbm_budget")}}.
       Bounds (lower bounds on every policy's latency_s, seconds summed over layers):
       unlimited_s (`cost.unlimited_step_time`), capacity_s (`cost.capacity_bound_step_time`),
       cache_s (Unlimited or the fewest link crossings x block bytes / B_link, whichever is
@@ -276,8 +293,10 @@ def simulate(
     """
     numbers = dict(
         sparsity=sparsity,
+        batch=batch,
         hbm_budget=hbm_budget,
         capacity_blocks=capacity_blocks,
+        hbm_fraction=hbm_fraction,
         chunk=chunk,
         demote_cost=demote_cost,
         window=window,
@@ -297,8 +316,10 @@ def simulate(
     _check_arguments(numbers, policies, policy_kwargs, follow_admit)
     if fp8 not in FP8_MODES:
         raise ValueError(f"fp8={fp8!r}: expected one of {FP8_MODES}")
-    geometry, setup = _setup(
-        trace, profile, geometry, hbm_budget, capacity_blocks, demote_cost, keep_fetched, fp8
+    geometry, source = sizing.resolve_geometry(trace, geometry)
+    pool = dict(hbm_budget=hbm_budget, capacity_blocks=capacity_blocks, hbm_fraction=hbm_fraction)
+    geometry, setup, sized_by = _setup(
+        trace, profile, cost.batched(geometry, batch), pool, demote_cost, keep_fetched, fp8
     )
     settings = presets.Settings(
         **{k: numbers[k] for k in _SETTINGS}, follow_admit=follow_admit, config=anneal_config
@@ -333,7 +354,8 @@ def simulate(
     timings = plan_timing(pols, rep.states, setup, rep.reads, n_steps, plans, time_plans)
     rows = _rows(pols, rep, setup, timings, dual_wall, n_steps)
     meta = _setup_row(trace, setup, n_steps, sparsity, geometry, demote_cost, keep_fetched)
-    return _table(rows, policies, bounds, n_steps, setup.link_profile, meta)
+    meta.update(geometry_source=source, pool_from=sized_by, hbm_budget=hbm_budget)
+    return _table(rows, policies, bounds, n_steps * batch, setup.link_profile, meta)
 
 
 def _check_arguments(numbers: dict, policies, policy_kwargs, follow_admit) -> None:
@@ -348,20 +370,18 @@ def _check_arguments(numbers: dict, policies, policy_kwargs, follow_admit) -> No
     check_follow_admit(follow_admit)
 
 
-def _setup(
-    trace, profile, geometry, hbm_budget, capacity_blocks, demote_cost, keep_fetched, fp8="off"
-):
-    """(geometry, Setup): the HBM pool per layer from the budget (`cost.pool_capacity`, the
-    geometry it sizes), at most the trace's blocks; under fp8="host" host blocks move at
-    `jaxkv.quant.fp8_block_bytes`, under fp8="age" every placed block is priced so in both
-    tiers (modeled: the decode loop's full-precision ring of recent blocks, `fp8_age`, is not
-    simulated; its blocks are priced as FP8 too)."""
-    geometry, capacity_blocks = cost.pool_capacity(
-        geometry, hbm_budget, trace.num_layers, trace.block_size, capacity_blocks
-    )
+def _setup(trace, profile, geometry, pool: dict, demote_cost, keep_fetched, fp8="off"):
+    """(geometry, Setup, the option that sized the pool): the HBM pool per layer from `pool`
+    (hbm_budget, capacity_blocks, hbm_fraction: `jaxkv.sim.sizing.pool_blocks`, the geometry it
+    sizes), at most the trace's blocks; the bytes of the geometry's batch (`Geometry.batch`);
+    under fp8="host" host blocks move at `jaxkv.quant.fp8_block_bytes`, under fp8="age" every
+    placed block is priced so in both tiers (modeled: the decode loop's full-precision ring of
+    recent blocks, `fp8_age`, is not simulated; its blocks are priced as FP8 too)."""
+    geometry, capacity_blocks, sized_by = sizing.pool_blocks(trace, geometry, **pool)
     host_bytes = hbm_bytes = None
     if fp8 in ("host", "age"):
-        host_bytes = float(fp8_block_bytes(trace.block_size, geometry.kv_heads, geometry.head_dim))
+        fp8_bytes = fp8_block_bytes(trace.block_size, geometry.kv_heads, geometry.head_dim)
+        host_bytes = float(fp8_bytes * geometry.batch)
     if fp8 == "age":
         hbm_bytes = host_bytes
     setup = Setup(
@@ -378,7 +398,7 @@ def _setup(
         host_bytes,
         hbm_bytes,
     )
-    return geometry, setup
+    return geometry, setup, sized_by
 
 
 def _policies(names, setup: Setup, settings, policy_kwargs) -> dict:
@@ -469,9 +489,10 @@ def _rows(pols: dict, rep: Replay, setup: Setup, timings: dict, dual_wall, n_ste
     return out
 
 
-def _table(out: dict, policies, bounds: dict, n_steps: int, profile, meta: dict) -> dict:
+def _table(out: dict, policies, bounds: dict, tokens: int, profile, meta: dict) -> dict:
     """simulate()'s result: the rows in `policies`' order (paper-sa as its best pair, the
-    Unlimited bound as a row), each with its ratios, then the bounds and the setup."""
+    Unlimited bound as a row), each with its ratios (tokens_per_s: `tokens`, the run's steps x
+    its batch, over the latency), then the bounds and the setup."""
     sa = [n for n in out if n.startswith("paper-sa[") and n not in policies]
     if sa:
         best = min(sa, key=lambda n: out[n]["latency_s"])
@@ -490,7 +511,7 @@ def _table(out: dict, policies, bounds: dict, n_steps: int, profile, meta: dict)
         )
     static = out.get("static", {}).get("latency_s")
     for v in out.values():
-        v["tokens_per_s"] = n_steps / v["latency_s"]
+        v["tokens_per_s"] = tokens / v["latency_s"]
         v["speedup_vs_static"] = static / v["latency_s"] if static else None
         v["vs_unlimited"] = v["latency_s"] / unl
         v["vs_unlimited_with_plan"] = (v["latency_s"] + v["plan_seconds"]) / unl
@@ -499,7 +520,9 @@ def _table(out: dict, policies, bounds: dict, n_steps: int, profile, meta: dict)
 
 
 def _setup_row(trace, setup: Setup, n_steps, sparsity, geometry, demote_cost, keep_fetched):
-    """result["setup"]: the trace, the pool, the cost model and the device."""
+    """result["setup"]: the trace, the pool, the cost model and the device (block_bytes the
+    batch's, token_bytes one sequence's; `simulate` adds geometry_source, pool_from and
+    hbm_budget)."""
     return {
         "trace": trace.name,
         "steps": n_steps,
@@ -513,6 +536,9 @@ def _setup_row(trace, setup: Setup, n_steps, sparsity, geometry, demote_cost, ke
         "host_block_bytes": setup.link_block_bytes,
         "block_bytes": setup.block_bytes,
         "geometry": geometry.name,
+        "batch": geometry.batch,
+        "token_bytes": geometry.token_bytes // geometry.batch,
+        "param_bytes": geometry.param_bytes,
         "demote_cost": demote_cost,
         "keep_fetched": keep_fetched,
         "device": jax.devices()[0].device_kind,

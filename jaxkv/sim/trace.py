@@ -5,21 +5,36 @@ A trace says, for every decode step and layer, which blocks the step attends to 
 on top: at each (step, layer) the top ceil((1 - s) x sealed blocks) blocks by mass (mass > 0) are
 read, plus the tail block (the one being filled, always in HBM).
 
-File format (`save` / `load`, numpy .npz, version 1):
-  version     [] int64           1
+File format (`save` / `load`, numpy .npz, version 1; version 2 when it carries a geometry or
+tokens, which version 1 may not):
+  version     [] int64           1 or 2
   prompt_len  [] int64           tokens in the context before decode step 0
   block_size  [] int64           tokens per block (1 = the paper's token granularity)
   ids         [steps, layers, K] int32    block ids attended at that (step, layer); -1 = padding
   mass        [steps, layers, K] float32  attention mass of each id, finite and >= 0; 0 on padding
   name        [] str (optional)  a label
+  geometry_*  (optional, version 2) the recording model's `jaxkv.cost.Geometry`, all or none:
+    geometry_name          [] str      a label (the model's)
+    geometry_num_layers    [] int64    = the trace's layers
+    geometry_kv_heads, geometry_head_dim, geometry_dtype_bytes  [] int64, >= 1 each
+    geometry_weight_bytes  [] float64  weight bytes read per layer per decode step, >= 0
+    geometry_param_bytes   [] float64  all parameter bytes, >= 0
+  tokens      [steps] int32 (optional, version 2)  the token each decode step produced (step t's
+              input is step t - 1's token; step 0's, the prefill's, is not stored)
 At step t (0-based) the context holds prompt_len + t + 1 tokens (the new one included), so valid ids
 are 0 .. ceil((prompt_len + t + 1) / block_size) - 1. K is free (a recorder may keep the top K
-blocks only). `load` rejects a bad file with a ValueError naming the field.
+blocks only). `load` rejects a bad file with a ValueError naming the field. Compact storage
+(`save(..., compact=True)`): ids as int16 when every id fits, mass as float16 (a positive mass
+below float16's smallest subnormal is stored as that subnormal, so it stays read); `load`
+upcasts both to int32 / float32. Rounding the mass to float16 (a relative error up to 2**-11)
+can reorder blocks whose masses lie that close, and so change the top-k read set where
+sparsity cuts between them. `save` writes a compressed .npz.
 
 Every trace (file or synthetic) exposes the same duck type used by `jaxkv.sim.simulate`:
   prompt_len, block_size, num_layers, steps, num_blocks (blocks at the end of the trace), name,
-  and `mass(t0, n) -> [n, layers, num_blocks] float32` (dense mass of steps t0 .. t0 + n - 1; zero
-  beyond each step's context and beyond the trace's last step).
+  geometry and tokens (None unless a file carries them), and `mass(t0, n) -> [n, layers,
+  num_blocks] float32` (dense mass of steps t0 .. t0 + n - 1; zero beyond each step's context and
+  beyond the trace's last step).
 """
 
 from __future__ import annotations
@@ -32,9 +47,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import cost
+from jaxkv.sim.trace_fields import (
+    MAX_POSITION,
+    V2_FIELDS,
+    geometry_fields,
+    int_field,
+    read_geometry,
+    read_tokens,
+    string_field,
+)
+
 SYNTHETIC_KINDS = ("recency-low", "recency-high", "patterns", "real-like")
 _REQUIRED = ("version", "prompt_len", "block_size", "ids", "mass")
-MAX_POSITION = 2**31 - 1  # token positions and block ids are int32
 
 
 def context_blocks(prompt_len: int, step, block_size: int):
@@ -44,13 +69,16 @@ def context_blocks(prompt_len: int, step, block_size: int):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class FileTrace:
-    """A recorded (or saved) trace held in memory in the sparse file layout."""
+    """A recorded (or saved) trace held in memory in the sparse file layout; `geometry` and
+    `tokens` are what a version-2 file carries (None when it does not)."""
 
     prompt_len: int
     block_size: int
     ids: np.ndarray  # [steps, layers, K] int32, -1 = padding
     mass_values: np.ndarray  # [steps, layers, K] float32
     name: str = "file"
+    geometry: cost.Geometry | None = None  # the recording model's (batch 1)
+    tokens: np.ndarray | None = None  # [steps] int32: the token each decode step produced
 
     @property
     def steps(self) -> int:
@@ -83,29 +111,38 @@ def _densify(ids, vals, num_blocks: int):
     return out.at[t, lyr, safe].add(jnp.where(ids < 0, 0.0, vals))[..., :num_blocks]
 
 
-def save(path, trace: FileTrace) -> None:
-    """Writes `trace` in the version-1 .npz layout (see the module docstring)."""
+def save(path, trace: FileTrace, *, compact: bool = False) -> None:
+    """Writes `trace` as a compressed .npz (see the module docstring): version 2 when it carries
+    a geometry or tokens, else version 1; `compact` stores ids as int16 (when every id fits)
+    and mass as float16 (ValueError when a mass exceeds float16's range)."""
+    ids = trace.ids.astype(np.int32)
+    mass = trace.mass_values.astype(np.float32)
+    if compact:
+        f16 = np.finfo(np.float16)
+        if mass.size and mass.max() > f16.max:
+            raise ValueError(
+                f"save(compact=True) stores mass as float16, whose largest value is "
+                f"{float(f16.max):g}; got {float(mass.max()):g}: save without compact"
+            )
+        tiny = np.float32(f16.smallest_subnormal)
+        mass = np.where((mass > 0) & (mass < tiny), tiny, mass).astype(np.float16)
+        if ids.size == 0 or ids.max() <= np.iinfo(np.int16).max:
+            ids = ids.astype(np.int16)
+    extra = {}
+    if trace.geometry is not None:
+        extra |= geometry_fields(trace.geometry)
+    if trace.tokens is not None:
+        extra["tokens"] = np.asarray(trace.tokens, np.int32)
     np.savez_compressed(
         path,
-        version=np.int64(1),
+        version=np.int64(2 if extra else 1),
         prompt_len=np.int64(trace.prompt_len),
         block_size=np.int64(trace.block_size),
-        ids=trace.ids.astype(np.int32),
-        mass=trace.mass_values.astype(np.float32),
+        ids=ids,
+        mass=mass,
         name=np.str_(trace.name),
+        **extra,
     )
-
-
-def _int_field(fields: dict, name: str) -> int:
-    """A scalar integer field (a 0-d integer array or a Python int)."""
-    a = np.asarray(fields[name])
-    if a.ndim != 0:
-        raise ValueError(f"trace field {name!r} has shape {a.shape}, expected a scalar")
-    if a.dtype.kind not in "iu":
-        raise ValueError(
-            f"trace field {name!r} is {a.item()!r} of dtype {a.dtype}, expected an integer"
-        )
-    return int(a)
 
 
 def validate(fields: dict) -> FileTrace:
@@ -113,11 +150,14 @@ def validate(fields: dict) -> FileTrace:
     for f in _REQUIRED:
         if f not in fields:
             raise ValueError(f"trace is missing field {f!r}; expected fields {list(_REQUIRED)}")
-    version = _int_field(fields, "version")
-    if version != 1:
-        raise ValueError(f"trace field 'version' is {version}, expected 1")
-    prompt_len = _int_field(fields, "prompt_len")
-    block_size = _int_field(fields, "block_size")
+    version = int_field(fields, "version")
+    if version not in (1, 2):
+        raise ValueError(f"trace field 'version' is {version}, expected 1 or 2")
+    if version == 1 and any(f in fields for f in V2_FIELDS):
+        f = next(f for f in V2_FIELDS if f in fields)
+        raise ValueError(f"trace field {f!r} is a version-2 field, but 'version' is 1: expected 2")
+    prompt_len = int_field(fields, "prompt_len")
+    block_size = int_field(fields, "block_size")
     if prompt_len < 0:
         raise ValueError(f"trace field 'prompt_len' is {prompt_len}, expected >= 0")
     if block_size < 1:
@@ -156,19 +196,15 @@ def validate(fields: dict) -> FileTrace:
         raise ValueError("trace field 'mass' has NaN or infinite values, expected finite")
     if mass.size and mass.min() < 0:
         raise ValueError(f"trace field 'mass' has value {float(mass.min())}, expected >= 0")
-    name = "file"
-    if "name" in fields:
-        n = np.asarray(fields["name"])
-        if n.ndim != 0 or n.dtype.kind not in "US":
-            raise ValueError(
-                f"trace field 'name' has dtype {n.dtype} and shape {n.shape}, expected a string"
-            )
-        name = n.item().decode(errors="replace") if n.dtype.kind == "S" else str(n)
-    return FileTrace(prompt_len, block_size, ids.astype(np.int32), mass.astype(np.float32), name)
+    name = string_field(fields, "name") if "name" in fields else "file"
+    geometry = read_geometry(fields, ids.shape[1])
+    tokens = read_tokens(fields, ids.shape[0])
+    ids, mass = ids.astype(np.int32), mass.astype(np.float32)
+    return FileTrace(prompt_len, block_size, ids, mass, name, geometry, tokens)
 
 
 def load(path) -> FileTrace:
-    """Reads and validates a version-1 .npz trace; a file that is missing, not a .npz archive
+    """Reads and validates a .npz trace (version 1 or 2); a file that is missing, not a .npz archive
     (a .npy array, truncated, corrupt) or holds an unreadable field raises ValueError."""
     p = Path(path)
     if not p.exists():
@@ -276,6 +312,15 @@ class SyntheticTrace:
         return f"synthetic:{self.kind}"
 
     @property
+    def geometry(self) -> None:
+        """No model recorded it: a synthetic trace carries no geometry (nor tokens)."""
+        return None
+
+    @property
+    def tokens(self) -> None:
+        return None
+
+    @property
     def num_blocks(self) -> int:
         return context_blocks(self.prompt_len, self.steps - 1, self.block_size)
 
@@ -373,9 +418,9 @@ def to_file_trace(trace, topk: int | None = None) -> FileTrace:
     order = np.argsort(-dense, axis=-1, kind="stable")[..., :k]
     vals = np.take_along_axis(dense, order, axis=-1)
     ids = np.where(vals > 0, order, -1).astype(np.int32)
-    return FileTrace(
-        trace.prompt_len, trace.block_size, ids, np.where(vals > 0, vals, 0.0), trace.name
-    )
+    mass = np.where(vals > 0, vals, 0.0)
+    geometry, tokens = getattr(trace, "geometry", None), getattr(trace, "tokens", None)
+    return FileTrace(trace.prompt_len, trace.block_size, ids, mass, trace.name, geometry, tokens)
 
 
 def read_stats(trace, sparsity: float, steps: int | None = None) -> dict:
