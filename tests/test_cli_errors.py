@@ -26,7 +26,7 @@ def no_work(monkeypatch):
     monkeypatch.setattr(tr, "load", fail)
     monkeypatch.setattr(models.generate, "load_model", fail)
     monkeypatch.setattr(models.record, "load_model", fail)
-    monkeypatch.setattr(models.demo, "default_model", fail)
+    monkeypatch.setattr(models.demo, "load_model", fail)
 
 
 def error(capsys, argv) -> str:
