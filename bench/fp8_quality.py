@@ -104,11 +104,13 @@ def equal_bytes_blocks(cfg: CacheConfig, budget: int) -> tuple[int, bool]:
     return int(min(max(n, cfg.batch), cfg.total_blocks)), n >= cfg.batch
 
 
-def _run(model, params, windows, prompt_len, steps, hbm, policy, attention, fp8, profile, bs):
+def _run(
+    model, params, windows, prompt_len, steps, hbm, policy, attention, fp8, profile, bs, topk=0.25
+):
     mc = model.config
     batch = windows.shape[0]
     cfg = _config(mc, batch, prompt_len + steps + 1, bs, hbm, fp8)
-    placement = PlacementConfig(policy=policy, window=8, attention=attention, topk=0.25)
+    placement = PlacementConfig(policy=policy, window=8, attention=attention, topk=topk)
     dec = Decoder(model, cfg, placement, max_new_tokens=steps + 1, profile=profile)
     state = dec.prefill(params, jnp.asarray(windows[:, :prompt_len]))
     state, logits = dec.score(
@@ -129,6 +131,7 @@ def _run(model, params, windows, prompt_len, steps, hbm, policy, attention, fp8,
         host_bytes=host_b,
         fp8_share=fp8_share,
         tokens_per_s=s["modeled_tokens_per_s"],
+        reads=total,
         hbm_hit_rate=s["hbm_hit_rate"],
         hbm_blocks=cfg.hbm_blocks,
         hbm_footprint=hbm_footprint(cfg),
@@ -186,7 +189,11 @@ def compare(full: dict, ref: dict, q: dict, truth: np.ndarray) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default="default", help="'default' or an HF checkpoint folder")
+    ap.add_argument(
+        "--model",
+        default="default",
+        help="'default', 'smollm2', an HF checkpoint folder or a .gguf file",
+    )
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=512)
@@ -221,18 +228,9 @@ def main(argv=None) -> int:
             check_number("--hbm", float(h), low=0.0, high=1.0, low_open=True)
     from flax import nnx
 
-    if args.model == "default":
-        from models.default import default_model
+    from models.generate import load_model
 
-        model, tok = default_model(dtype=args.dtype)
-    else:
-        from models.hf import load_pretrained, load_tokenizer
-
-        model = load_pretrained(args.model, dtype=args.dtype)
-        try:
-            tok = load_tokenizer(args.model)
-        except ValueError:
-            tok = None
+    model, tok = load_model(args.model, dtype=args.dtype)
     _, params = nnx.split(model)
     mc = model.config
     length = args.prompt_len + args.steps + 1

@@ -96,21 +96,21 @@ def model_source(spec: str) -> Path:
     return Path(spec)
 
 
-def load_model(spec: str):
-    """(model, tokenizer or None) for a model spec (`check_model_spec`); a folder without
-    tokenizer.json decodes bytes, an unreadable tokenizer is a ValueError."""
+def load_model(spec: str, *, dtype: str = "float32"):
+    """(model, tokenizer or None) for a model spec (`check_model_spec`), parameters in `dtype`;
+    a folder without tokenizer.json decodes bytes, an unreadable tokenizer is a ValueError."""
     from models import gguf_io
 
     if spec == "default":
-        return default_model()
+        return default_model(dtype=dtype)
     check_model_spec(spec)
     source = model_source(spec)
     if source.is_file() and gguf_io.is_gguf(source):
-        return load_pretrained(source), load_tokenizer(source)
+        return load_pretrained(source, dtype=dtype), load_tokenizer(source)
     tokenizer = None
     if (source / "tokenizer.json").is_file():
         tokenizer = load_tokenizer(source)  # ValueError on a corrupt file
-    return load_pretrained(source), tokenizer
+    return load_pretrained(source, dtype=dtype), tokenizer
 
 
 def stop_ids(spec: str) -> tuple[int, ...]:

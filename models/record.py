@@ -209,7 +209,7 @@ def _check_args(args) -> Path:
 
 def _cmd(args) -> int:
     text_path = _check_args(args)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
     ids = encode(tokenizer, text_path.read_text(errors="replace"), model.config.vocab_size)
     if args.prompt_tokens:
         ids = ids[: args.prompt_tokens]
@@ -243,7 +243,11 @@ def geometry_line(g: cost.Geometry) -> str:
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="record an attention trace while decoding")
-    p.add_argument("--model", default="default", help="'default' or a local HF checkpoint folder")
+    p.add_argument(
+        "--model",
+        default="default",
+        help="'default', 'smollm2', a local HF checkpoint folder or a .gguf file",
+    )
     p.add_argument("--prompt-file", required=True)
     p.add_argument(
         "--prompt-tokens", type=int, default=0, help="truncate the prompt to its first N (0 = all)"
@@ -251,6 +255,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--sparsity", type=float, default=0.0)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="the model's parameters and KV cache (the stored geometry's bytes per element)",
+    )
     p.add_argument("--name", default=None, help="the trace's label (default: the prompt file's)")
     p.add_argument(
         "--compact",
