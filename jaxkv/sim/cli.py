@@ -78,19 +78,20 @@ def pool_hints(setup: dict) -> list[str]:
 def format_table(result: dict) -> str:
     """The human-readable table of `simulate`'s result."""
     s = result["setup"]
+    w = max(16, 2 + max(map(len, result["policies"]), default=0))  # the policy column
     lines = [
         regime_line(result),
         f"trace {s['trace']}  steps {s['steps']}  prompt {s['prompt_len']}  block {s['block_size']}"
         f"  layers {s['layers']}  HBM pool {s['capacity_blocks']}/{s['blocks']} blocks  "
         f"s={s['sparsity']:g}  profile {s['profile']}  {geometry_words(s)}"
         + (f"  batch {s['batch']}" if s.get("batch", 1) > 1 else ""),
-        f"{'policy':<16}{'latency s':>11}{'tok/s':>9}{'vs static':>10}{'vs unlim':>9}"
+        f"{'policy':<{w}}{'latency s':>11}{'tok/s':>9}{'vs static':>10}{'vs unlim':>9}"
         f"{'HBM hit':>9}{'migrated GB':>12}{'plan s':>9}{'+plan':>8}",
     ]
     for name, v in result["policies"].items():
         sp = v["speedup_vs_static"]
         lines.append(
-            f"{name:<16}{v['latency_s']:>11.4f}{v['tokens_per_s']:>9.1f}"
+            f"{name:<{w}}{v['latency_s']:>11.4f}{v['tokens_per_s']:>9.1f}"
             f"{(f'{sp:.2f}x' if sp else '-'):>10}{v['vs_unlimited']:>9.3f}"
             f"{100 * v['hbm_hit_rate']:>8.1f}%{v['migrated_bytes'] / 1e9:>12.2f}"
             f"{v['plan_seconds']:>9.2f}{v['vs_unlimited_with_plan']:>8.3f}"
