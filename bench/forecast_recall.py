@@ -168,7 +168,11 @@ def main(argv=None) -> int:
             num_layers=args.layers,
             block_size=16,
         )
-        traces[getattr(t, "name", spec) or spec] = t
+        # keyed by the file (two traces of one text by two models share a name)
+        key = spec if spec.startswith("synthetic:") else Path(spec).name
+        if key in traces:
+            p.error(f"{spec!r}: given twice")
+        traces[key] = t
     table = recall_table(traces, sparsity=args.sparsity, budget=args.budget, window=args.window)
     print(format_table(table, args))
     if args.json:

@@ -43,3 +43,11 @@ def test_a_missing_trace_is_refused(capsys):
     with pytest.raises(SystemExit):
         fr.main(["nope.npz"])
     assert "'nope.npz': not a file" in capsys.readouterr().err
+
+
+def test_a_trace_given_twice_is_refused(capsys):
+    # rows are keyed by file name: two models' traces of one text share the trace's own name
+    trace = str(Path(__file__).parents[1] / "bench" / "traces" / "default_gpl3.npz")
+    with pytest.raises(SystemExit):
+        fr.main([trace, trace])
+    assert "given twice" in capsys.readouterr().err
