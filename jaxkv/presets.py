@@ -116,6 +116,24 @@ KNOBS: dict[str, Any] = dict(
 )
 
 
+def split_policies(text: str, label: str = "--policies") -> list[str]:
+    """The policy names of a comma-separated list, split at top-level commas only, so
+    "static,paper-sa[10,0.5]" is two names; blanks dropped. Raises ValueError naming `label` on
+    unbalanced brackets. The names themselves are checked by `split_name`."""
+    names, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth < 0:
+            break
+        if ch == "," and depth == 0:
+            names.append(text[start:i])
+            start = i + 1
+    if depth != 0:
+        raise ValueError(f"{label}={text!r}: unbalanced brackets (expected e.g. paper-sa[10,0.5])")
+    names.append(text[start:])
+    return [n.strip() for n in names if n.strip()]
+
+
 def split_name(name: str) -> tuple[str, tuple[str, ...]]:
     """(base, modifiers) of a policy name such as "anneal+reuse+now", validated. Raises
     ValueError naming the valid choices."""

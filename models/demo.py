@@ -32,6 +32,7 @@ from flax import nnx
 
 from jaxkv.config import PROFILES, CacheConfig, PlacementConfig, check_number
 from jaxkv.decode import Decoder, summarize
+from jaxkv.presets import split_policies
 from models.generate import (
     chat_prompt,
     check_live_policy,
@@ -416,7 +417,7 @@ def plot_report(reports: list[dict], path: Path) -> Path | None:
 
 
 def _cmd(args) -> int:
-    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    policies = tuple(split_policies(args.policies))
     if not policies:
         raise ValueError(
             f"--policies={args.policies!r}: expected comma-separated policy names, e.g. "

@@ -74,6 +74,8 @@ def error(capsys, argv) -> str:
         ("--geometry", "trace", "--geometry='trace': a synthetic trace carries no geometry"),
         ("--policies", ",", "--policies=',': expected comma-separated policy names"),
         ("--policies", "lru+aw", "--policies: policy 'lru+aw': modifiers (+aw) apply to"),
+        ("--policies", "static,paper-sa[10,0.5", "--policies='static,paper-sa[10,0.5': unbalanced"),
+        ("--policies", "lru,paper-sa[0,0.5]", "policy 'paper-sa[0,0.5]': expected paper-sa[W,R]"),
         ("--trace", "synthetic:zipf", "--trace='synthetic:zipf': unknown synthetic trace 'zipf'"),
     ],
 )

@@ -6,7 +6,7 @@ import json
 
 from jaxkv import cost
 from jaxkv.config import AnnealConfig, HardwareProfile, check_number
-from jaxkv.presets import NOW_SPREAD, NOW_WINDOW
+from jaxkv.presets import NOW_SPREAD, NOW_WINDOW, split_policies
 from jaxkv.quant import FP8_MODES
 from jaxkv.sim import sizing
 from jaxkv.sim import trace as tr
@@ -360,7 +360,7 @@ def check_cli_args(args) -> list[str]:
             )
     if args.block_size is not None:
         check_number("--block-size", args.block_size, integer=True, low=1)
-    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    names = split_policies(args.policies)
     if not names:
         raise ValueError(
             f"--policies={args.policies!r}: expected comma-separated policy names, e.g. "
