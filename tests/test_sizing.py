@@ -228,6 +228,12 @@ def test_every_block_fits_hints_what_would_help():
     setup = _setup(random_block_trace(0), None, capacity_blocks=99)
     assert setup["capacity_blocks"] == setup["blocks"] == 13
     assert pool_hints(setup) == ["--hbm-fraction 0.5", "--capacity-blocks below 13"]
+    # no pool at all: every read crosses the link, which placement cannot change
+    setup = _setup(random_block_trace(0), None, capacity_blocks=0)
+    assert setup["capacity_blocks"] == 0
+    line = regime_line({"setup": setup})
+    assert line.startswith("HBM holds 0% of the KV blocks") and "placement decides" not in line
+    assert "every read crosses the link, so placement cannot matter" in line
 
 
 def test_cli_costs_a_recorded_trace_in_its_geometry(tmp_path, capsys):

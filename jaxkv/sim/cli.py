@@ -30,6 +30,8 @@ def regime_line(result: dict) -> str:
     what = "placement decides which reads cross the link"
     if share >= 1:
         what = "every block fits: placement cannot matter (try " + ", ".join(pool_hints(s)) + ")"
+    elif s["capacity_blocks"] == 0:
+        what = "every read crosses the link, so placement cannot matter (try --hbm-fraction 0.5)"
     batch = s.get("batch", 1)
     per = f", per sequence of a batch of {batch}" if batch > 1 else ""
     return (
