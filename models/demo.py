@@ -42,6 +42,7 @@ from models.generate import (
     load_model,
     stop_ids,
 )
+from models.record import check_writable
 
 DEFAULT_POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow")
 DEFAULT_MODEL = "smollm2"
@@ -434,6 +435,8 @@ def _cmd(args) -> int:
         )
         names = {"profile": "--profile" if attention == "exact" else "--placement-profile"}
         check_demo_args(values, label=lambda n, m=names: m.get(n, "--" + n.replace("_", "-")))
+    if not args.no_plot:
+        check_writable(args.plot, "--plot")  # before minutes of decoding, not after
     t0 = time.perf_counter()
     reports = run_demo_parts(
         parts,
@@ -445,15 +448,16 @@ def _cmd(args) -> int:
         window=args.window,
         progress=not args.json,
     )
-    png = None if args.no_plot else plot_report(reports, Path(args.plot))
-    report = dict(reports[0])
-    if len(reports) > 1:
-        report["placement"] = reports[1]
-    report["plot"] = None if png is None else str(png)
     if args.json:
+        png = None if args.no_plot else plot_report(reports, Path(args.plot))
+        report = dict(reports[0])
+        if len(reports) > 1:
+            report["placement"] = reports[1]
+        report["plot"] = None if png is None else str(png)
         print(json.dumps(report, indent=2))
     else:
-        print("\n\n".join(format_table(r) for r in reports))
+        print("\n\n".join(format_table(r) for r in reports), flush=True)  # before the figure
+        png = None if args.no_plot else plot_report(reports, Path(args.plot))
         if png is not None:
             print(f"\nfigure: {png}")
         elif not args.no_plot:

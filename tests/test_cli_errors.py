@@ -342,3 +342,15 @@ def test_demo_option_checked_first(capsys, no_work, args, expected):
     """--hbm-fraction 1.5 failed after the all-HBM run, printed inside the progress bar."""
     line = error(capsys, ["demo", *args])
     assert expected in line and "decoding" not in line
+
+
+def test_demo_plot_path_checked_first(capsys, no_work, tmp_path, monkeypatch):
+    """--plot /unwritable/x.png decoded for minutes, then died with a PermissionError."""
+    folder = tmp_path / "figs"
+    folder.mkdir()
+    line = error(capsys, ["demo", "--plot", str(folder)])
+    assert f"--plot={str(folder)!r}: is a directory" in line
+    monkeypatch.setattr(os, "access", lambda *a: False)  # a read-only folder (root ignores modes)
+    line = error(capsys, ["demo", "--plot", str(folder / "demo.png")])
+    assert f"the folder {str(folder)!r} is not writable" in line
+    assert "decoding" not in line
