@@ -101,7 +101,7 @@ def test_cli_trace_prints_the_geometry_simulate_then_uses(
             exact, geometry=dataclasses.replace(exact.geometry, name=kw["model_name"])
         )
 
-    monkeypatch.setattr(models.record, "load_model", lambda spec: (tiny[0], None))
+    monkeypatch.setattr(models.record, "load_model", lambda spec, **kw: (tiny[0], None))
     monkeypatch.setattr(models.record, "record_trace", record)
     monkeypatch.setattr(models.record, "encode", lambda tokenizer, text, vocab: PROMPT)
     (tmp_path / "p.txt").write_text("a prompt")
