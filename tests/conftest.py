@@ -91,6 +91,9 @@ def random_block_trace(seed, steps=12, layers=2, k=10, prompt=40, block_size=4):
     for t in range(steps):
         ids[t] = rng.integers(0, tr.context_blocks(prompt, t, block_size), (layers, k))
     mass = rng.exponential(1.0, (steps, layers, k)).astype(np.float32)
+    srt = np.sort(ids, axis=-1)  # a block drawn twice at a (step, layer) is kept once
+    ids = np.where(np.diff(srt, axis=-1, prepend=-1) == 0, -1, srt).astype(np.int32)
+    mass = np.where(ids < 0, 0.0, mass).astype(np.float32)
     return tr.validate(
         dict(version=1, prompt_len=prompt, block_size=block_size, ids=ids, mass=mass)
     )

@@ -23,6 +23,7 @@ def sq():
     return mod
 
 
+@pytest.mark.slow  # three decoders compiled: 12 s on 2 cores; the default suite is near 15 min
 def test_shares_of_blocks_read_and_their_accuracy(sq, capsys):
     argv = "--model default --batch 1 --prompt-len 96 --steps 6 --topk 0.1,0.999 --json"
     assert sq.main(argv.split()) == 0

@@ -122,7 +122,7 @@ def _write_npz(path, **over):
         version=np.int64(1),
         prompt_len=np.int64(8),
         block_size=np.int64(4),
-        ids=np.zeros((3, 2, 2), np.int32),
+        ids=np.tile(np.arange(2, dtype=np.int32), (3, 2, 1)),  # blocks 0 and 1 at each step
         mass=np.ones((3, 2, 2), np.float32),
     )
     f.update(over)

@@ -292,7 +292,9 @@ def test_compact_storage(tmp_path):
 
 
 def test_compact_mass_beyond_float16(tmp_path):
-    t = tr.validate(fields(mass=np.full((2, 1, 3), 1e5, np.float32)))
+    mass = np.full((2, 1, 3), 1e5, np.float32)
+    mass[0, 0, 2] = 0.0  # the padding entry
+    t = tr.validate(fields(mass=mass))
     with pytest.raises(ValueError, match=r"stores mass as float16, whose largest value is 65504"):
         tr.save(tmp_path / "c.npz", t, compact=True)
 
@@ -355,3 +357,32 @@ def test_tokens_not_integers():
 def test_tokens_out_of_range():
     with pytest.raises(ValueError, match=r"'tokens' has token -1, expected in \[0, 2147483647\]"):
         tr.validate(v2(tokens=np.array([1, -1])))
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        (
+            dict(mass=np.array([[[0.5, 0.5, 0.1]], [[0.2, 0.3, 0.5]]], np.float32)),
+            r"'mass' has 0.1 on padding \(id -1\) at step 0, layer 0: expected 0 on padding",
+        ),
+        (
+            dict(ids=np.array([[[0, 1, -1]], [[2, 0, 2]]], np.int32)),
+            r"'ids' lists block 2 twice at step 1, layer 0: expected each block at most once",
+        ),
+    ],
+)
+def test_entries_a_trace_cannot_mean(over, message):
+    """Mass on padding and a block listed twice were accepted."""
+    with pytest.raises(ValueError, match=message):
+        tr.validate(fields(**over))
+
+
+def test_a_trace_file_without_mass_is_refused(tmp_path):
+    """An all-zero trace file gave a 0% hit rate for every policy."""
+    path = tmp_path / "zero.npz"
+    np.savez(path, **fields(mass=np.zeros((2, 1, 3), np.float32)))
+    with pytest.raises(
+        ValueError, match=r"zero.npz': field 'mass' is all zero: expected the ids' attention mass"
+    ):
+        tr.load(path)

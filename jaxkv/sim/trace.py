@@ -145,6 +145,26 @@ def save(path, trace: FileTrace, *, compact: bool = False) -> None:
     )
 
 
+def check_entries(ids: np.ndarray, mass: np.ndarray) -> None:
+    """Refuses what a trace cannot mean: mass on a padding entry (id -1) and a block listed
+    twice at one (step, layer). (`load` also refuses a file with no mass at all.)"""
+    pad = (ids < 0) & (mass != 0)
+    if pad.any():
+        t, layer, k = np.argwhere(pad)[0]
+        raise ValueError(
+            f"trace field 'mass' has {float(mass[t, layer, k]):g} on padding (id -1) at step {t}, "
+            f"layer {layer}: expected 0 on padding"
+        )
+    srt = np.sort(ids, axis=-1)
+    dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+    if dup.any():
+        t, layer, k = np.argwhere(dup)[0]
+        raise ValueError(
+            f"trace field 'ids' lists block {int(srt[t, layer, k])} twice at step {t}, layer "
+            f"{layer}: expected each block at most once per step and layer"
+        )
+
+
 def validate(fields: dict) -> FileTrace:
     """Checks a dict of trace fields and builds a FileTrace; ValueError names the bad field."""
     for f in _REQUIRED:
@@ -196,6 +216,7 @@ def validate(fields: dict) -> FileTrace:
         raise ValueError("trace field 'mass' has NaN or infinite values, expected finite")
     if mass.size and mass.min() < 0:
         raise ValueError(f"trace field 'mass' has value {float(mass.min())}, expected >= 0")
+    check_entries(ids, mass)
     name = string_field(fields, "name") if "name" in fields else "file"
     geometry = read_geometry(fields, ids.shape[1])
     tokens = read_tokens(fields, ids.shape[0])
@@ -240,7 +261,10 @@ def load(path) -> FileTrace:
                     f"corrupt ({type(e).__name__}: {e})"
                 ) from None
     try:
-        return validate(fields)
+        trace = validate(fields)
+        if not np.asarray(fields["mass"]).any():  # every policy would read a 0% hit rate
+            raise ValueError("trace field 'mass' is all zero: expected the ids' attention mass")
+        return trace
     except ValueError as e:
         raise ValueError(f"trace {str(p)!r}: {str(e).removeprefix('trace ')}") from None
 
