@@ -19,8 +19,8 @@ dot product per block), takes the `candidates` k best of each tier, prices their
 promotions and k demotions exactly (capacity and budget kept), and picks one of them or none
 with probability proportional to exp(-(dE + tol) / T) against 1 for staying (a heat-bath choice:
 at T -> 0 the best move that gains more than tol, else none).
-Schedule (AnnealConfig; defaults 8 chains, at most 200 iterations, k = 8, T0 at the 0.1
-quantile, t_final 1e-3, tolerance 1e-3, patience 20): everything is scaled to the energy
+Schedule (AnnealConfig; defaults 4 chains, at most 200 iterations, k = 8, T0 at the 0.1
+quantile, t_final 1e-3, tolerance 0.05, patience 10): everything is scaled to the energy
 change of one move, per layer, from the start's own candidate moves: T0 is the `t0_quantile`
 quantile of their energy rises, and the tolerance tol is `tolerance` x their median |dE| (an
 absolute energy). T cools geometrically to `t_final` x T0 at `max_iters`. A layer whose start is

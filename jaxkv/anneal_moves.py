@@ -116,25 +116,27 @@ def certify(problem: AnnealProblem, deltas: BlockDeltas, x, hbm, link, moved, to
 
     x [layers, N] bool with loads hbm, link [layers, W] and moved [layers] blocks moved from x0;
     tol [layers] seconds. Promotions and demotions are priced exactly, every block at once
-    (O(N W)); a swap's change is bounded below by the sum of its two blocks' first-order
-    changes at x's slopes (the energy is convex in the loads), so the certificate is sound:
-    when it holds, no move of the chains' neighbourhoods improves by more than tol. Moves the
-    capacity or the migration budget forbids are left out, as the chains never make them.
+    (O(N W)). A swap's change is bounded below, every pair at once, by its first-order change
+    at x's slopes (the energy is convex in the loads) on every step but one, and exactly on
+    that one: the step closest to balance, where a swap can flip the binding side (without a
+    spread; with one, first order on every step). A swap then improves by more than tol only
+    if both of its sides' bounds do, a dominance query over the blocks sorted by one of them
+    (O(N log N)). So the certificate is sound: when it holds, no move of the chains'
+    neighbourhoods improves by more than tol. Moves the capacity or the migration budget
+    forbids are left out, as the chains never make them.
     """
     sp = spread_of(problem, 2)
-    g_h, g_l = step_slopes(hbm, link, problem.fixed, problem.weight, problem.profile, sp)
+    prof, w = problem.profile, problem.weight
+    g_h, g_l = step_slopes(hbm, link, problem.fixed, w, prof, sp)  # [L, W]
     dh, dl, dv, dm = deltas.dh, deltas.dl, deltas.dv, deltas.dm
     lin = jnp.einsum("lw,lwn->ln", g_h, dh) + jnp.einsum("lw,lwn->ln", g_l, dl) + dv  # [L, N]
     sp3 = None if sp is None else sp[..., None]
-    base = step_times(hbm, link, problem.fixed, problem.profile, sp)[..., None]  # [L, W, 1]
-    w = problem.weight[None, :, None]
+    base = step_times(hbm, link, problem.fixed, prof, sp)[..., None]  # [L, W, 1]
     f = problem.fixed[None, :, None]
 
     def change(sign):  # [L, N]: the exact energy change of every block entering (+) / leaving
-        t = step_times(
-            hbm[..., None] + sign * dh, link[..., None] + sign * dl, f, problem.profile, sp3
-        )
-        return jnp.sum((t - base) * w, axis=1) + sign * dv
+        t = step_times(hbm[..., None] + sign * dh, link[..., None] + sign * dl, f, prof, sp3)
+        return jnp.sum((t - base) * w[None, :, None], axis=1) + sign * dv
 
     count = jnp.sum(x, -1, keepdims=True)
     mv = moved[:, None]
@@ -143,13 +145,49 @@ def certify(problem: AnnealProblem, deltas: BlockDeltas, x, hbm, link, moved, to
     can_out = x
     pro = jnp.where(can_in & (count + 1 <= cap) & (mv + dm <= budget), change(1.0), jnp.inf)
     dem = jnp.where(can_out & (mv - dm <= budget), change(-1.0), jnp.inf)
-    # swaps: lowest first-order change per (entering block's dm, leaving block's dm) class
-    swap = jnp.full(x.shape[:1], jnp.inf)
-    for a in (-1, 1):
-        best_in = jnp.min(jnp.where(can_in & (dm == a), lin, jnp.inf), axis=-1)
-        for c in (-1, 1):
-            best_out = jnp.min(jnp.where(can_out & (dm == c), -lin, jnp.inf), axis=-1)
-            fits = moved + a - c <= budget
-            swap = jnp.minimum(swap, jnp.where(fits, best_in + best_out, jnp.inf))
-    low = jnp.minimum(jnp.minimum(jnp.min(pro, -1), jnp.min(dem, -1)), swap)
-    return low >= -tol
+    # swaps (j enters, i leaves): change >= max(p_j - p_i + ca, q_j - q_i + cb), the step
+    # closest to balance t* taken exactly (its HBM side binding: p, its link side: q)
+    th = (hbm + problem.fixed) / prof.hbm_bandwidth
+    tl = link / prof.link_bandwidth
+    p = q = lin
+    ca = cb = jnp.zeros(lin.shape[:1], lin.dtype)
+    if sp is None:
+        star = jnp.argmin(jnp.where(w > 0, jnp.abs(th - tl), jnp.inf), axis=-1)  # [L]
+        pick = jax.nn.one_hot(star, w.shape[0], dtype=lin.dtype)  # [L, W]
+        al = jnp.einsum("lw,lwn->ln", pick * w / prof.hbm_bandwidth, dh)  # t*'s HBM part
+        be = jnp.einsum("lw,lwn->ln", pick * w / prof.link_bandwidth, dl)
+        rest = (
+            lin
+            - jnp.einsum("lw,lwn->ln", pick * g_h, dh)
+            - jnp.einsum("lw,lwn->ln", pick * g_l, dl)
+        )
+        p, q = rest + al, rest + be
+        a, b = jnp.sum(pick * th, -1), jnp.sum(pick * tl, -1)
+        top = jnp.maximum(a, b)
+        w_star = jnp.sum(pick * w, -1)
+        ca, cb = w_star * (a - top), w_star * (b - top)
+    classes = ((None, None),) if budget >= x.shape[-1] else ((-1, -1), (-1, 1), (1, -1), (1, 1))
+    swap_ok = jnp.ones(lin.shape[:1], bool)
+    for a_in, c_out in classes:
+        ins = can_in if a_in is None else can_in & (dm == a_in)
+        outs = can_out if c_out is None else can_out & (dm == c_out)
+        fits = True if a_in is None else moved + a_in - c_out <= budget
+        gains = _dominated(p, q, ins, outs, ca, cb, tol)
+        swap_ok = swap_ok & ~(fits & gains)
+    low = jnp.minimum(jnp.min(pro, -1), jnp.min(dem, -1))
+    return (low >= -tol) & swap_ok
+
+
+def _dominated(p, q, ins, outs, ca, cb, tol):
+    """[L] bool: some pair (j in ins, i in outs) has p_j - p_i + ca < -tol and
+    q_j - q_i + cb < -tol. p, q [L, N]; ins, outs [L, N] bool; ca, cb, tol [L]."""
+    p_in = jnp.where(ins, p, jnp.inf)
+    order = jnp.argsort(p_in, axis=-1)
+    ps = jnp.take_along_axis(p_in, order, -1)
+    qs = jax.lax.cummin(jnp.take_along_axis(jnp.where(ins, q, jnp.inf), order, -1), axis=1)
+    # per leaving block i: the lowest q_j among the j with p_j < p_i - ca - tol
+    bound = p - (ca + tol)[:, None]
+    n_below = jax.vmap(lambda s, v: jnp.searchsorted(s, v, side="left"))(ps, bound)
+    best_q = jnp.take_along_axis(qs, jnp.maximum(n_below - 1, 0), -1)
+    best_q = jnp.where(n_below > 0, best_q, jnp.inf)
+    return jnp.any(outs & (best_q < q - (cb + tol)[:, None]), axis=-1)

@@ -368,13 +368,13 @@ class AnnealConfig:
         more than the tolerance.
     """
 
-    chains: int = 8
+    chains: int = 4
     max_iters: int = 200
     candidates: int = 8
     t0_quantile: float = 0.1
     t_final: float = 1e-3
-    tolerance: float = 1e-3
-    patience: int = 20
+    tolerance: float = 0.05
+    patience: int = 10
 
     def __post_init__(self):
         _positive_int("chains", self.chains)
