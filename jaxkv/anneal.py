@@ -6,7 +6,8 @@ the moves, their exact prices and the start's certificate (`neighbourhood`, `cer
 `jaxkv.anneal_moves`, the chains, their schedule and `run` here; all of them can be imported
 from this module.
 
-The state keeps per-step loads so the energy change of a move costs O(W).
+The state keeps per-step loads so the energy change of a move costs O(W); rating every block's
+move costs O(N W) per chain and iteration.
 
 Init (`greedy_init`): the best prefix of the blocks under four orderings (forecast mass, next
 step first, residents first, link time saved in HBM; each an exact scan over all prefix sizes,
