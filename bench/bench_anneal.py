@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--window", type=int, default=50)
-    ap.add_argument("--chains", type=int, default=32)
+    ap.add_argument("--chains", type=int, default=AnnealConfig().chains)
     ap.add_argument("--sparsity", type=float, default=0.6)
     ap.add_argument("--profile", default="gh200")
     ap.add_argument("--geometry", default="llama3-8b")
@@ -67,7 +67,8 @@ def main() -> None:
 
     greedy = jax.jit(anneal.greedy_init)
     t_init, xg = timed(lambda: greedy(problem))
-    t_run, (x, e, st) = timed(lambda: anneal.run(problem, jax.random.key(0), cfg))
+    t_run, res = timed(lambda: anneal.run(problem, jax.random.key(0), cfg))
+    e, st = res.energy, res.state
     window_s = float(jnp.sum(e))  # modeled decode time of the window (all layers), planned x
     e_init = float(jnp.sum(anneal.energy(problem, xg)))
     e_x0 = float(jnp.sum(anneal.energy(problem, x0)))

@@ -12,7 +12,8 @@ The runtime (what a model imports; it never imports `jaxkv.sim`, scipy or optax)
   forecasts     forecaster parts: EMA, Reuse, Now
   pricing       pricing terms (LinkReserve, Unforeseen, Ride, Spread) and controllers
   anneal        the vectorized annealer (anneal_energy: the problem and its energy;
-                anneal_init: the greedy start)
+                anneal_init: the greedy start; anneal_moves: moves, their prices and the
+                start's certificate of local optimality)
   policies      the Policy protocol, Static, Reactive, Anneal (composed from the parts), Follow
   presets       every policy name, resolved in one place
   decode        the functional decode loop

@@ -2,27 +2,34 @@
 
 Where things are: the problem and its energy (`AnnealProblem`, `loads`, `energy`) in
 `jaxkv.anneal_energy`, the exact-scan starting point (`greedy_init`) in `jaxkv.anneal_init`,
-the chains, their schedule and `run` here; all of them can be imported from this module.
+the moves, their exact prices and the start's certificate (`neighbourhood`, `certify`) in
+`jaxkv.anneal_moves`, the chains, their schedule and `run` here; all of them can be imported
+from this module.
 
-The state keeps per-step loads so the energy change of a proposal costs O(W).
-
-Proposals: swap one HBM block with one host block (capacity kept), or, with probability
-`move_prob`, a single promotion (while there is slack) or demotion. Blocks are kept in a
-permutation `perm` whose first `count` entries are the HBM blocks and the next ones the host
-blocks, so sampling a block of either tier is O(1). Acceptance is Metropolis, applied with
-`jnp.where` on the touched entries only.
+The state keeps per-step loads so the energy change of a move costs O(W); rating every block's
+move costs O(N W) per chain and iteration.
 
 Init (`greedy_init`): the best prefix of the blocks under four orderings (forecast mass, next
 step first, residents first, link time saved in HBM; each an exact scan over all prefix sizes,
 migration and budget included), x0 plus its best m swaps (an exact scan over m), or x0,
 whichever has the lowest energy; every chain starts there. After the chains, `settle` undoes
 the moves that change no load of the window.
-Schedule (AnnealConfig; defaults 32 chains, T0 = 0.2 x the init energy, x 0.85 every 100
-iterations, patience 30 at 1e-3, at most 4000 iterations): T0 = t0_fraction x the init energy,
-multiplied by `cooling` every `cooling_every` iterations; a (layer, chain) stalls after `patience`
-consecutive iterations that improve its best energy by less than `min_improvement` (relative);
-the loop stops when all have stalled or after `max_iters`. One iteration = one proposal per chain
-per layer. The best chain per layer wins.
+
+Moves: each iteration a chain rates every block's move by the energy's slopes at its loads (one
+dot product per block), takes the `candidates` k best of each tier, prices their k x k swaps, k
+promotions and k demotions exactly (capacity and budget kept), and picks one of them or none
+with probability proportional to exp(-(dE + tol) / T) against 1 for staying (a heat-bath choice:
+at T -> 0 the best move that gains more than tol, else none).
+Schedule (AnnealConfig; defaults 4 chains, at most 200 iterations, k = 8, T0 at the 0.1
+quantile, t_final 1e-3, tolerance 0.05, patience 10): everything is scaled to the energy
+change of one move, per layer, from the start's own candidate moves: T0 is the `t0_quantile`
+quantile of their energy rises, and the tolerance tol is `tolerance` x their median |dE| (an
+absolute energy). T cools geometrically to `t_final` x T0 at `max_iters`. A layer whose start is
+certified locally optimal (`certify`: no single promotion, demotion or swap gains more than tol)
+runs no chain. A (layer, chain) stops after `patience` consecutive iterations that improve its
+best energy by at most tol; the loop stops when all have stopped or after `max_iters`. One
+iteration = one move (or none) per chain per layer. The best chain per layer wins; the result
+never has a higher energy than the start.
 """
 
 from __future__ import annotations
@@ -44,9 +51,18 @@ from jaxkv.anneal_energy import (  # noqa: F401
     loads,
     miss_of,
     spread_of,
+    step_slopes,
+    step_times,
     value_of,
 )
 from jaxkv.anneal_init import best_prefix, best_swaps, greedy_init  # noqa: F401
+from jaxkv.anneal_moves import (  # noqa: F401
+    BlockDeltas,
+    block_deltas,
+    certify,
+    move_feasible,
+    neighbourhood,
+)
 from jaxkv.config import AnnealConfig
 
 # the names these had when they were defined here (tests/test_anneal.py calls them)
@@ -58,9 +74,7 @@ class AnnealState:
     """Chains of every layer. C = chains."""
 
     x: jax.Array  # [layers, C, N] bool
-    perm: jax.Array  # [layers, C, N] int32: HBM blocks, then host blocks, then invalid ones
     count: jax.Array  # [layers, C] int32: blocks in HBM
-    nvalid: jax.Array  # [layers, C] int32: valid blocks
     moved: jax.Array  # [layers, C] int32: blocks differing from x0
     hbm: jax.Array  # [layers, C, W] float32: HBM-side load bytes per step (without `fixed`)
     link: jax.Array  # [layers, C, W] float32: link-side load bytes per step
@@ -68,24 +82,66 @@ class AnnealState:
     energy: jax.Array  # [layers, C] float32 seconds (load energy + miss)
     best_x: jax.Array  # [layers, C, N] bool
     best_energy: jax.Array  # [layers, C] float32
-    ref_energy: jax.Array  # [layers, C] float32: best energy at the last significant improvement
-    stall: jax.Array  # [layers, C] int32: iterations since that improvement
-    temperature: jax.Array  # [layers, C] float32
+    ref_energy: jax.Array  # [layers, C] float32: best energy at the last gain above tol
+    stall: jax.Array  # [layers, C] int32: iterations since that gain
+    accepted: jax.Array  # [layers, C] int32: moves made
+    t0: jax.Array  # [layers] float32 seconds: initial temperature
+    tol: jax.Array  # [layers] float32 seconds: the stop tolerance
+    start_energy: jax.Array  # [layers] float32 seconds: the greedy start's energy
+    certified: jax.Array  # [layers] bool: the start is locally optimal (no chain runs)
     key: jax.Array  # [layers, C, 2] uint32: one PRNG key per chain
     it: jax.Array  # [] int32
 
 
-def _perm_of(x, valid):
-    """HBM blocks first, then host, then invalid: [..., N] int32."""
-    key = jnp.where(valid, jnp.where(x, 0, 1), 2)
-    return jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
+@pytree_dataclass
+class AnnealMetrics:
+    """What one plan's annealing did, per layer."""
+
+    start_energy: jax.Array  # [layers] float32 seconds: the greedy start's energy
+    energy: jax.Array  # [layers] float32 seconds: the result's energy (<= start_energy)
+    accepted: jax.Array  # [layers] int32: moves the layer's chains made, summed
+    certified: jax.Array  # [layers] bool: the start was certified optimal; no chain ran
+    iterations: jax.Array  # [] int32: iterations of the loop (all layers together)
+
+    @staticmethod
+    def empty(layers: int) -> AnnealMetrics:
+        """The metrics before any plan (zeros)."""
+        z = jnp.zeros((layers,), jnp.float32)
+        return AnnealMetrics(z, z, jnp.zeros((layers,), jnp.int32), z > 0, jnp.int32(0))
+
+
+@pytree_dataclass
+class AnnealResult:
+    """`run`'s answer: the placement, its metrics and the chains' final state."""
+
+    x: jax.Array  # [layers, N] bool: the best chain's assignment per layer, settled
+    metrics: AnnealMetrics
+    state: AnnealState
+
+    @property
+    def energy(self) -> jax.Array:
+        """[layers] float32 seconds: the energy of x."""
+        return self.metrics.energy
+
+
+def temperature(state: AnnealState, config: AnnealConfig) -> jax.Array:
+    """[layers] float32: T0 cooled geometrically to t_final x T0 at max_iters."""
+    frac = state.it.astype(jnp.float32) / config.max_iters
+    return state.t0 * jnp.asarray(config.t_final, jnp.float32) ** frac
+
+
+def active(state: AnnealState, config: AnnealConfig) -> jax.Array:
+    """[layers, C] bool: the chains still running (not certified, not stalled)."""
+    return ~state.certified[:, None] & (state.stall < config.patience)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def init(
     problem: AnnealProblem, key: jax.Array, config: AnnealConfig = AnnealConfig()
 ) -> AnnealState:
-    """Builds the chains (all starting from `greedy_init`) with one PRNG key per (layer, chain).
+    """Builds the chains (all starting from `greedy_init`) with one PRNG key per (layer, chain),
+    the schedule's scale (T0 and the tolerance, from the start's candidate moves) and the
+    start's certificate.
 
     Args:
       problem: the window's problem.
@@ -96,259 +152,240 @@ def init(
     """
     layers, n = problem.x0.shape
     c = config.chains
-    x = jnp.broadcast_to(greedy_init(problem)[:, None, :], (layers, c, n))
-    valid = jnp.broadcast_to(problem.valid[:, None, :], (layers, c, n))
-    hbm, link = loads(problem, x)
+    x = greedy_init(problem)  # [L, N]
+    deltas = block_deltas(problem)
+    hbm, link = loads(problem, x)  # [L, W]
     miss = miss_of(problem, x)
     sp = spread_of(problem, hbm.ndim)
     e = energy_of_loads(hbm, link, problem.fixed, problem.weight, problem.profile, sp) + miss
+    moved = jnp.sum(x != problem.x0, -1).astype(jnp.int32)
+    t0, tol = _scale(problem, deltas, x, hbm, link, moved, e, config)
+    certified = certify(problem, deltas, x, hbm, link, moved, tol)
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)
     keys = jax.random.key_data(jax.random.split(key, (layers, c)))  # [layers, C, 2]
+
+    def chains(v):  # [L, ...] -> [L, C, ...]
+        return jnp.broadcast_to(v[:, None], v.shape[:1] + (c,) + v.shape[1:])
+
     return AnnealState(
-        x=x,
-        perm=_perm_of(x, valid),
-        count=jnp.sum(x, -1).astype(jnp.int32),
-        nvalid=jnp.sum(valid, -1).astype(jnp.int32),
-        moved=jnp.sum(x != problem.x0[:, None, :], -1).astype(jnp.int32),
-        hbm=hbm,
-        link=link,
-        miss=miss,
-        energy=e,
-        best_x=x,
-        best_energy=e,
-        ref_energy=e,
-        stall=jnp.zeros((layers, c), jnp.int32),
-        temperature=config.t0_fraction * e,
+        x=chains(x),
+        count=chains(jnp.sum(x, -1).astype(jnp.int32)),
+        moved=chains(moved),
+        hbm=chains(hbm),
+        link=chains(link),
+        miss=chains(miss),
+        energy=chains(e),
+        best_x=chains(x),
+        best_energy=chains(e),
+        ref_energy=chains(e),
+        stall=jnp.where(certified[:, None], config.patience, jnp.zeros((layers, c), jnp.int32)),
+        accepted=jnp.zeros((layers, c), jnp.int32),
+        t0=t0,
+        tol=tol,
+        start_energy=e,
+        certified=certified,
         key=keys.astype(jnp.uint32),
         it=jnp.zeros((), jnp.int32),
     )
 
 
+def _scale(problem, deltas: BlockDeltas, x, hbm, link, moved, e, config: AnnealConfig):
+    """(T0, tol) [layers] seconds from the start's candidate moves (`neighbourhood`, capacity
+    and budget kept): T0 the `t0_quantile` quantile of their energy rises, tol `tolerance` x
+    their median |dE|. Changes below float32's resolution of the energy (1e-6 x |E|) count as
+    none; without any move above it both fall back to that resolution."""
+    hood = jax.vmap(
+        functools.partial(neighbourhood, profile=problem.profile, **_hood_size(problem, config)),
+        in_axes=(0,) * 8 + (None, None, 0),
+    )
+    sp = spread_of(problem, 2)
+    de, enter, leave, ok = hood(
+        deltas.dh,
+        deltas.dl,
+        deltas.dv,
+        deltas.dm,
+        problem.valid & ~x,
+        x,
+        hbm,
+        link,
+        problem.fixed,
+        problem.weight,
+        sp,
+    )
+    feasible = functools.partial(move_feasible, cap=problem.capacity, budget=problem.budget)
+    fits = jax.vmap(feasible)(enter, leave, deltas.dm, jnp.sum(x, -1), moved)
+    floor = 1e-6 * jnp.abs(e)  # [L]
+    real = ok & fits & (jnp.abs(de) > floor[:, None])
+    scale = jnp.nanmedian(jnp.where(real, jnp.abs(de), jnp.nan), axis=-1)
+    rise = jnp.nanquantile(jnp.where(real & (de > 0), de, jnp.nan), config.t0_quantile, axis=-1)
+    scale = jnp.where(jnp.isnan(scale), floor, scale)
+    t0 = jnp.where(jnp.isnan(rise), scale, rise)
+    return t0.astype(jnp.float32), (config.tolerance * scale).astype(jnp.float32)
+
+
+def _hood_size(problem: AnnealProblem, config: AnnealConfig) -> dict:
+    """`neighbourhood`'s static k (at most N) and split (a budget below N can bind)."""
+    n = problem.x0.shape[-1]
+    return dict(k=min(config.candidates, n), split=problem.budget < n)
+
+
 def _chain_step(
-    a,
-    hh,
-    hl,
-    x0,
-    ph,
-    pl,
-    val,
+    dh,
+    dl,
+    dv,
+    dm,
+    valid,
     fixed,
     weight,
     spread,
     x,
-    perm,
     count,
-    nvalid,
     moved,
     hbm,
     link,
     miss,
-    e,
     key,
     temp,
+    tol,
+    run,
     *,
     profile,
-    b,
     cap,
     budget,
-    move_prob,
-    d,
-    has_hh,
-    has_spread,
+    k,
+    split,
 ):
-    """One proposal for one chain. a, hh, hl: [W, N] (forecast, host-side HBM and link loads;
-    hh unused unless has_hh); x0, ph, pl, val, x, perm: [N]; hbm, link: [W]; miss, e: []
-    (terminal value out of HBM, energy = load energy + miss)."""
-    k_kind, k_p, k_q, k_dir, k_acc, k_next = jax.random.split(jax.random.wrap_key_data(key), 6)
-    p, q, promote, demote, swap, feasible = _propose(
-        (k_kind, k_p, k_q, k_dir), count, nvalid, cap, move_prob
-    )
-    has_i = ~promote  # a block leaves HBM
-    has_j = ~demote  # a block enters HBM
-    i = perm[p]
-    j = perm[q]
-    blocks = (a, hh, hl, x0, ph, pl, val)
-    new_hbm, new_link, new_miss, dmoved = _loads_after(
-        blocks, (i, has_i), (j, has_j), (hbm, link, miss), b=b, d=d, has_hh=has_hh
-    )
-    sp = spread if has_spread else None
-    new_e = energy_of_loads(new_hbm, new_link, fixed, weight, profile, sp) + new_miss
-    de = new_e - e
-    metropolis = jax.random.uniform(k_acc) < jnp.exp(
-        -jnp.maximum(de, 0.0) / jnp.maximum(temp, 1e-30)
-    )
-    accept = feasible & (moved + dmoved <= budget) & ((de <= 0) | metropolis)
-    perm, x, count = _commit(accept, perm, x, count, (p, q, i, j), (has_i, has_j, promote, swap))
-    moved = moved + jnp.where(accept, dmoved, 0)
-    hbm = jnp.where(accept, new_hbm, hbm)
-    link = jnp.where(accept, new_link, link)
-    miss = jnp.where(accept, new_miss, miss)
-    e = jnp.where(accept, new_e, e)
-    return x, perm, count, moved, hbm, link, miss, e, jax.random.key_data(k_next)
-
-
-def _propose(keys, count, nvalid, cap, move_prob):
-    """A random proposal: perm positions p (an HBM block) and q (a host block), its kind
-    (promote, demote, swap: one is True) and whether the tiers allow it."""
-    k_kind, k_p, k_q, k_dir = keys
-    u = jax.random.uniform(k_kind)
-    p = jnp.minimum((jax.random.uniform(k_p) * count).astype(jnp.int32), jnp.maximum(count - 1, 0))
-    nhost = nvalid - count
-    q = count + jnp.minimum(
-        (jax.random.uniform(k_q) * nhost).astype(jnp.int32), jnp.maximum(nhost - 1, 0)
-    )
-    is_move = u < move_prob
-    promote = is_move & (jax.random.uniform(k_dir) < 0.5)
-    demote = is_move & ~promote
-    swap = ~is_move
-    feasible = jnp.where(
-        swap,
-        (count > 0) & (nhost > 0),
-        jnp.where(promote, (nhost > 0) & (count < cap), count > 0),
-    )
-    return p, q, promote, demote, swap, feasible
-
-
-def _loads_after(blocks, leaves, enters, state, *, b, d, has_hh):
-    """The loads [W], terminal value [] and moves count change after block i leaves HBM (when
-    has_i) and block j enters it (when has_j): (hbm, link, miss, moved delta)."""
-    a, hh, hl, x0, ph, pl, val = blocks
-    (i, has_i), (j, has_j) = leaves, enters
-    hbm, link, miss = state
-    # HBM-side and link-side load columns a block adds in HBM rather than on host
-    col_i = a[:, i] - hh[:, i] if has_hh else a[:, i]
-    col_j = a[:, j] - hh[:, j] if has_hh else a[:, j]
-    ai = jnp.where(has_i, col_i, 0.0)  # [W]
-    aj = jnp.where(has_j, col_j, 0.0)
-    li = jnp.where(has_i, hl[:, i], 0.0)
-    lj = jnp.where(has_j, hl[:, j], 0.0)
-    # i leaves HBM: a demotion (x0[i]) or an undone promotion; j enters: the reverse.
-    dmig_i = jnp.where(has_i, jnp.where(x0[i], 1, -1), 0)
-    dmig_j = jnp.where(has_j, jnp.where(x0[j], -1, 1), 0)
-    dmoved = dmig_i + dmig_j
-    dm_h = jnp.where(has_i, jnp.where(x0[i], d, -ph[i]), 0.0) + jnp.where(
-        has_j, jnp.where(x0[j], -d, ph[j]), 0.0
-    )
-    dm_l = jnp.where(has_i, jnp.where(x0[i], d, -pl[i]), 0.0) + jnp.where(
-        has_j, jnp.where(x0[j], -d, pl[j]), 0.0
-    )
-    dh = b * (aj - ai)
-    first = (jnp.arange(a.shape[0]) == 0).astype(jnp.float32)
-    new_hbm, new_link = hbm + dh + b * dm_h * first, link + b * (li - lj) + b * dm_l * first
-    # i leaves HBM (its terminal value now counts), j enters (its value no longer does)
-    new_miss = miss + jnp.where(has_i, val[i], 0.0) - jnp.where(has_j, val[j], 0.0)
-    return new_hbm, new_link, new_miss, dmoved
-
-
-def _commit(accept, perm, x, count, where, kind):
-    """perm, x and count after the proposal when `accept` (as they were otherwise)."""
-    p, q, i, j = where
-    has_i, has_j, promote, swap = kind
-    # Exchange two positions of perm: swap (p, q); promotion (q, count); demotion (p, count - 1).
-    pa = jnp.where(promote, q, p)
-    pb = jnp.where(swap, q, jnp.where(promote, count, count - 1))
-    va, vb = perm[pa], perm[pb]
-    perm = perm.at[pa].set(jnp.where(accept, vb, va)).at[pb].set(jnp.where(accept, va, vb))
-    x = x.at[i].set(jnp.where(accept & has_i, False, x[i]))
-    x = x.at[j].set(jnp.where(accept & has_j, True, x[j]))
-    dcount = jnp.where(swap, 0, jnp.where(promote, 1, -1))
-    return perm, x, count + jnp.where(accept, dcount, 0)
+    """One move (or none) of one chain. dh, dl: [W, N]; dv, dm, valid, x: [N]; fixed, weight:
+    [W]; spread: [W] or None; hbm, link: [W]; count, moved, miss, temp, tol: []; run: [] bool
+    (False: the chain has stopped and stays)."""
+    k_pick, k_next = jax.random.split(jax.random.wrap_key_data(key))
+    de, enter, leave, ok = neighbourhood(
+        dh, dl, dv, dm, valid & ~x, x, hbm, link, fixed, weight, spread,
+        k=k, profile=profile, split=split,
+    )  # fmt: skip
+    ok = ok & move_feasible(enter, leave, dm, count, moved, cap=cap, budget=budget)
+    # staying costs 0, a move its energy change plus tol (a gain below tol is no gain)
+    cost = jnp.concatenate([jnp.zeros((1,), de.dtype), jnp.where(ok, de + tol, jnp.inf)])
+    logits = -cost / jnp.maximum(temp, 1e-30) + jax.random.gumbel(k_pick, cost.shape)
+    pick = jnp.where(run, jnp.argmax(logits), 0)
+    m = jnp.maximum(pick - 1, 0)
+    moving = pick > 0
+    j, i = enter[m], leave[m]
+    has_j, has_i = moving & (j >= 0), moving & (i >= 0)
+    j, i = jnp.maximum(j, 0), jnp.maximum(i, 0)
+    x = x.at[i].set(jnp.where(has_i, False, x[i]))
+    x = x.at[j].set(jnp.where(has_j, True, x[j]))
+    sj, si = has_j.astype(jnp.float32), has_i.astype(jnp.float32)
+    hbm = hbm + sj * dh[:, j] - si * dh[:, i]
+    link = link + sj * dl[:, j] - si * dl[:, i]
+    miss = miss + sj * dv[j] - si * dv[i]
+    count = count + has_j.astype(jnp.int32) - has_i.astype(jnp.int32)
+    moved = moved + jnp.where(has_j, dm[j], 0) - jnp.where(has_i, dm[i], 0)
+    e = energy_of_loads(hbm, link, fixed, weight, profile, spread) + miss
+    return x, count, moved, hbm, link, miss, e, jax.random.key_data(k_next), moving
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def step(problem: AnnealProblem, state: AnnealState, config: AnnealConfig = AnnealConfig()):
-    """One iteration: one proposal per chain per layer, then best / stall / temperature updates."""
+    """One iteration: one move (or none) per running chain per layer, then best and stall."""
+    return _step(problem, block_deltas(problem), state, config)
+
+
+def _step(problem: AnnealProblem, deltas: BlockDeltas, state: AnnealState, config):
+    has_spread = problem.spread is not None
     chain = functools.partial(
         _chain_step,
         profile=problem.profile,
-        b=problem.block_bytes,
         cap=problem.capacity,
         budget=problem.budget,
-        move_prob=config.move_prob,
-        d=problem.demote_cost,
-        has_hh=problem.host_hbm is not None,
-        has_spread=problem.spread is not None,
+        **_hood_size(problem, config),
     )
-    over_chains = jax.vmap(chain, in_axes=(None,) * 10 + (0,) * 11)
-    over_layers = jax.vmap(over_chains, in_axes=(0,) * 7 + (None, None, 0) + (0,) * 11)
-    chains = (state.x, state.perm, state.count, state.nvalid, state.moved, state.hbm, state.link)
-    chains += (state.miss, state.energy, state.key, state.temperature)
-    out = over_layers(*_step_inputs(problem), *chains)
-    return _after_step(state, config, *out)
-
-
-def _step_inputs(problem: AnnealProblem):
-    """The problem's arrays as `_chain_step` takes them (its first 10 arguments, per layer)."""
-    a = problem.forecast
-    return (
-        a,
-        a if problem.host_hbm is None else problem.host_hbm,
-        a if problem.host_link is None else problem.host_link,
-        problem.x0,
-        problem.promote_hbm,
-        problem.promote_link,
-        value_of(problem),
+    # per layer: dh, dl, dv, dm, valid, (fixed, weight shared), spread; per chain: the rest
+    per_layer = (0,) * 5 + (None, None, 0 if has_spread else None)
+    over_chains = jax.vmap(chain, in_axes=(None,) * 8 + (0,) * 7 + (None, None, 0))
+    over_layers = jax.vmap(over_chains, in_axes=per_layer + (0,) * 10)
+    sp = spread_of(problem, 2) if has_spread else None
+    run = active(state, config)
+    out = over_layers(
+        deltas.dh,
+        deltas.dl,
+        deltas.dv,
+        deltas.dm,
+        problem.valid,
         problem.fixed,
         problem.weight,
-        jnp.zeros(problem.x0.shape[:1] + problem.weight.shape, jnp.float32)
-        if problem.spread is None
-        else problem.spread.astype(jnp.float32),
+        sp,
+        state.x,
+        state.count,
+        state.moved,
+        state.hbm,
+        state.link,
+        state.miss,
+        state.key,
+        temperature(state, config),
+        state.tol,
+        run,
     )
-
-
-def _after_step(
-    state: AnnealState, config: AnnealConfig, x, perm, count, moved, hbm, link, miss, e, key
-):
-    """The state after an iteration whose chains ended at (x, ..., key): best, stall and
-    temperature updated by the schedule."""
-    better = e < state.best_energy * (1.0 - 1e-6)  # float noise is not an improvement
-    best_x = jnp.where(better[..., None], x, state.best_x)
+    x, count, moved, hbm, link, miss, e, key, moving = out
+    better = e < state.best_energy
     best_e = jnp.minimum(e, state.best_energy)
-    significant = best_e < state.ref_energy * (1.0 - config.min_improvement)
-    it = state.it + 1
-    cool = (it % config.cooling_every) == 0
+    gain = best_e < state.ref_energy - state.tol[:, None]
     return AnnealState(
         x=x,
-        perm=perm,
         count=count,
-        nvalid=state.nvalid,
         moved=moved,
         hbm=hbm,
         link=link,
         miss=miss,
         energy=e,
-        best_x=best_x,
+        best_x=jnp.where(better[..., None], x, state.best_x),
         best_energy=best_e,
-        ref_energy=jnp.where(significant, best_e, state.ref_energy),
-        stall=jnp.where(significant, 0, state.stall + 1),
-        temperature=jnp.where(cool, state.temperature * config.cooling, state.temperature),
+        ref_energy=jnp.where(gain, best_e, state.ref_energy),
+        stall=jnp.where(run, jnp.where(gain, 0, state.stall + 1), state.stall),
+        accepted=state.accepted + moving.astype(jnp.int32),
+        t0=state.t0,
+        tol=state.tol,
+        start_energy=state.start_energy,
+        certified=state.certified,
         key=key,
-        it=it,
+        it=state.it + 1,
     )
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def run(problem: AnnealProblem, key: jax.Array, config: AnnealConfig = AnnealConfig()):
-    """Anneals until every chain stalls or `max_iters`; returns the best chain per layer.
+def run(
+    problem: AnnealProblem, key: jax.Array, config: AnnealConfig = AnnealConfig()
+) -> AnnealResult:
+    """Anneals until every chain stops (certified start, or stalled) or `max_iters`; returns
+    the best chain per layer, settled.
 
     Args:
       problem: the window's problem.
       key: PRNG key (the same key gives the same answer).
       config: schedule.
     Returns:
-      (x [layers, N] bool, energy [layers] float32, final AnnealState).
+      AnnealResult: x [layers, N] bool, metrics (start and result energies, moves made,
+      certified layers, iterations) and the final AnnealState.
     """
     state = init(problem, key, config)
+    deltas = block_deltas(problem)
 
     def cond(s):
-        return (s.it < config.max_iters) & jnp.any(s.stall < config.patience)
+        return (s.it < config.max_iters) & jnp.any(active(s, config))
 
-    state = jax.lax.while_loop(cond, lambda s: step(problem, s, config), state)
+    state = jax.lax.while_loop(cond, lambda s: _step(problem, deltas, s, config), state)
     best = jnp.argmin(state.best_energy, axis=1)  # [layers]
     x = jnp.take_along_axis(state.best_x, best[:, None, None], axis=1)[:, 0]
     x = settle(problem, x)
-    return x, energy(problem, x), state
+    metrics = AnnealMetrics(
+        start_energy=state.start_energy,
+        energy=energy(problem, x),
+        accepted=jnp.sum(state.accepted, axis=1),
+        certified=state.certified,
+        iterations=state.it,
+    )
+    return AnnealResult(x=x, metrics=metrics, state=state)
 
 
 def settle(problem: AnnealProblem, x):

@@ -73,7 +73,13 @@ class AnnealProblem:
 
 def energy_of_loads(hbm, link, fixed, weight, profile: HardwareProfile, spread=None):
     """hbm, link: [..., W] bytes; fixed, weight: [W]; spread: None or broadcastable to [..., W]
-    seconds -> [...] seconds.
+    seconds -> [...] seconds: the weighted sum of `step_times`."""
+    return jnp.sum(step_times(hbm, link, fixed, profile, spread) * weight, axis=-1)
+
+
+def step_times(hbm, link, fixed, profile: HardwareProfile, spread=None):
+    """hbm, link: [..., W] bytes; fixed: [W]; spread: None or broadcastable to [..., W] seconds
+    -> [..., W] seconds per step.
 
     Each step costs max(HBM time, link time), or with a spread s > 0 its expectation when the
     link time minus the HBM time is Gaussian around the loads' difference d with deviation s:
@@ -88,7 +94,29 @@ def energy_of_loads(hbm, link, fixed, weight, profile: HardwareProfile, spread=N
         z = (tl - th) / safe
         smooth = th + safe * jax.scipy.stats.norm.pdf(z) + (tl - th) * jax.scipy.special.ndtr(z)
         t = jnp.where(s > 0, jnp.maximum(smooth, t), t)
-    return jnp.sum(t * weight, axis=-1)
+    return t
+
+
+def step_slopes(hbm, link, fixed, weight, profile: HardwareProfile, spread=None):
+    """A subgradient of `energy_of_loads` in the loads: (seconds per HBM byte, seconds per link
+    byte), [..., W] each (shapes as `step_times`).
+
+    A step bound on one side charges that side's bytes alone (a tie charges HBM); with a spread
+    s > 0 the expected step time's gradient splits them as 1 - Phi(d / s) and Phi(d / s). The
+    energy is convex in the loads, so energy(loads + delta) >= energy(loads) + slopes . delta
+    for every delta: the bound behind `jaxkv.anneal_moves.certify`.
+    """
+    th = (hbm + fixed) / profile.hbm_bandwidth
+    tl = link / profile.link_bandwidth
+    on_link = (tl > th).astype(jnp.float32)
+    if spread is not None:
+        s = jnp.broadcast_to(spread, th.shape)
+        z = (tl - th) / jnp.maximum(s, 1e-30)
+        on_link = jnp.where(s > 0, jax.scipy.special.ndtr(z), on_link)
+    return (
+        weight * (1.0 - on_link) / profile.hbm_bandwidth,
+        weight * on_link / profile.link_bandwidth,
+    )
 
 
 def spread_of(problem: AnnealProblem, ndim: int):

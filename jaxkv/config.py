@@ -350,27 +350,40 @@ PROFILES: dict[str, HardwareProfile] = {
 
 @dataclasses.dataclass(frozen=True)
 class AnnealConfig:
-    """Simulated-annealing schedule (defaults from the seed article: docs/paper.md)."""
+    """Simulated-annealing schedule, scaled to the energy change of one move (`jaxkv.anneal`).
 
-    chains: int = 32
-    max_iters: int = 4000
-    t0_fraction: float = 0.2  # initial temperature as a fraction of the current energy
-    cooling: float = 0.85  # multiply the temperature by this ...
-    cooling_every: int = 100  # ... every this many iterations
-    patience: int = 30  # stop after this many iterations ...
-    min_improvement: float = 1e-3  # ... each improving the best energy by less than this fraction
-    move_prob: float = 0.2  # probability of a single move (when there is slack) vs a swap
+    Attributes:
+      chains: chains per layer, all starting from the greedy start.
+      max_iters: iterations at most (one move per chain each); the temperature cools
+        geometrically from T0 to t_final x T0 over them.
+      candidates: k, the blocks per tier a chain rates best by the energy's slopes each
+        iteration; it weighs their k x k swaps, k promotions and k demotions, priced exactly.
+      t0_quantile: T0 is this quantile of the energy rises among the start's candidate moves,
+        so about this share of the uphill moves it weighs is taken with odds >= 1/e of staying.
+      t_final: the temperature at max_iters as a fraction of T0 (the last iterations descend).
+      tolerance: the stop tolerance as a fraction of the move scale (the median energy change of
+        the start's candidate moves), an absolute energy per layer: a move must gain more than
+        it to count, and the start is certified optimal when no single move gains more.
+      patience: a chain stops after this many iterations without improving its best energy by
+        more than the tolerance.
+    """
+
+    chains: int = 4
+    max_iters: int = 200
+    candidates: int = 8
+    t0_quantile: float = 0.1
+    t_final: float = 1e-3
+    tolerance: float = 0.05
+    patience: int = 10
 
     def __post_init__(self):
         _positive_int("chains", self.chains)
         _positive_int("max_iters", self.max_iters)
-        _positive_int("cooling_every", self.cooling_every)
+        _positive_int("candidates", self.candidates)
         _positive_int("patience", self.patience)
-        if not 0.0 < self.cooling <= 1.0:
-            raise ValueError(f"cooling must lie in (0, 1], got {self.cooling!r}")
-        check_number("t0_fraction", self.t0_fraction, low=0.0, low_open=True)
-        check_number("min_improvement", self.min_improvement, low=0.0)
-        check_number("move_prob", self.move_prob, low=0.0, high=1.0)
+        check_number("t0_quantile", self.t0_quantile, low=0.0, high=1.0)
+        check_number("t_final", self.t_final, low=0.0, high=1.0, low_open=True)
+        check_number("tolerance", self.tolerance, low=0.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -262,6 +262,8 @@ class AnnealPolicyState:
     target: jax.Array  # [layers, N] bool
     priority: jax.Array  # [layers, N] float32
     forecast: Any = ()  # the forecaster's own state (`Forecaster.init`)
+    # the last plan's annealing: start and result energies, moves made, certified layers
+    metrics: anneal.AnnealMetrics | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,6 +359,7 @@ class Anneal(PolicyBase):
             target=jnp.zeros((num_layers, num_blocks), bool),
             priority=jnp.zeros((num_layers, num_blocks), jnp.float32),
             forecast=self.forecast.init(num_layers, num_blocks),
+            metrics=anneal.AnnealMetrics.empty(num_layers),
         )
 
     def next_window(self, state: AnnealPolicyState):
@@ -427,8 +430,8 @@ class Anneal(PolicyBase):
         window, prev_hit = self._window(state, obs)
         problem, fstate, a, bad = self.problem(state, obs, env, window)
         key, sub = jax.random.split(jax.random.wrap_key_data(state.key))
-        x, _, _ = anneal.run(problem, sub, self.config)
-        target = x & obs.valid
+        res = anneal.run(problem, sub, self.config)
+        target = res.x & obs.valid
         new_state = dataclasses.replace(state, window=window)
         # the reads expected until the next plan: what the next plan's window_reads will count
         until_next = jnp.arange(a.shape[0]) < self.next_window(new_state)
@@ -444,6 +447,7 @@ class Anneal(PolicyBase):
                 target=target,
                 priority=jnp.sum(a, axis=0) * obs.valid,
                 forecast=fstate,
+                metrics=res.metrics,
             ),
             target,
         )

@@ -111,7 +111,7 @@ def test_every_knob_table_verdict_and_panel(tmp_path, quick):
         sens.dataclasses.replace(r, cells={t: dict(level[t], vs_unlimited=v) for t in traces})
         for r, v in zip(flat, (2.0, 1.0, 2.0, 2.0) if not quick else (1.0, 2.0), strict=True)
     ]
-    assert "agrees (4/4 traces)" in sens.verdict("t0", ahead, traces, stats)  # T0 0.2 best
+    assert "agrees (4/4 traces)" in sens.verdict("t0", ahead, traces, stats)  # T0 quantile 0.1 best
     if quick and _has_matplotlib():  # every knob's panel (seconds: once is enough)
         assert sens.plot(list(sens.KNOBS), measured, traces, tmp_path / "p.png")
         assert (tmp_path / "p.png").stat().st_size > 0

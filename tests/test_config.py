@@ -110,12 +110,23 @@ def test_check_number_messages():
 
 
 def test_error_anneal_config_non_finite():
-    with pytest.raises(ValueError, match=r"t0_fraction=inf: expected a finite number > 0"):
-        AnnealConfig(t0_fraction=float("inf"))
-    with pytest.raises(ValueError, match=r"min_improvement=nan: expected a finite number >= 0"):
-        AnnealConfig(min_improvement=float("nan"))
-    with pytest.raises(ValueError, match=r"move_prob=1.5: expected a finite number in \[0, 1\]"):
-        AnnealConfig(move_prob=1.5)
+    with pytest.raises(ValueError, match=r"t0_quantile=inf: expected a finite number in \[0, 1\]"):
+        AnnealConfig(t0_quantile=float("inf"))
+    with pytest.raises(ValueError, match=r"tolerance=nan: expected a finite number >= 0"):
+        AnnealConfig(tolerance=float("nan"))
+
+
+def test_error_anneal_config_schedule():
+    with pytest.raises(ValueError, match=r"t0_quantile=1.5: expected a finite number in \[0, 1\]"):
+        AnnealConfig(t0_quantile=1.5)
+    with pytest.raises(ValueError, match=r"t_final=0.0: expected a finite number in \(0, 1\]"):
+        AnnealConfig(t_final=0.0)
+    with pytest.raises(ValueError, match=r"tolerance=-0.1: expected a finite number >= 0"):
+        AnnealConfig(tolerance=-0.1)
+    with pytest.raises(ValueError, match=r"candidates must be an integer >= 1, got 0"):
+        AnnealConfig(candidates=0)
+    with pytest.raises(ValueError, match=r"patience must be an integer >= 1, got 2.5"):
+        AnnealConfig(patience=2.5)
 
 
 def test_error_placement_window_controls():

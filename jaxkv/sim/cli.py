@@ -220,7 +220,7 @@ def add_simulation_args(p, *, geometry: str | None = "llama3-8b", chunk: int = 1
         "read; jaxkv.pricing.Ride), 0 = a plan's placement held over its window; "
         "default: each policy's own (0 for anneal, 1 for +now / +follow)",
     )
-    p.add_argument("--chains", type=int, default=8, help="anneal chains")
+    p.add_argument("--chains", type=int, default=AnnealConfig().chains, help="anneal chains")
     p.add_argument("--chunk", type=int, default=chunk)
     p.add_argument("--demote-cost", type=float, default=0.0)
     p.add_argument(

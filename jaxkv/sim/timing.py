@@ -45,6 +45,16 @@ def _valid(setup: Setup, state: SimState, t):
 
 def time_plan(policy, state: SimState, setup: Setup, reads_buf, t, repeats: int = 2) -> float:
     """Seconds of one compiled plan on the run's last observation (best of `repeats`)."""
+    obs = observation(policy, state, setup, reads_buf, t)
+    env = setup.env
+    fn = jax.jit(lambda p, o: policy.plan(p, o, env))
+    return _best(fn, (state.pstate, obs), repeats)
+
+
+def observation(policy, state: SimState, setup: Setup, reads_buf, t) -> Observation:
+    """What `policy` sees planning at step t from `state` (a chunk's last state): the blocks
+    sealed at t, the state's statistics, the forecast rows it needs from `reads_buf` (its
+    first rows are step t's) and zeros for the LP dual's values."""
     h = policy.horizon
     valid = _valid(setup, state, t)
     st = state.stats
@@ -52,7 +62,7 @@ def time_plan(policy, state: SimState, setup: Setup, reads_buf, t, repeats: int 
     vg = None
     if policy.needs_values:
         vg = jnp.zeros((h, *state.in_hbm.shape), jnp.float32)
-    obs = Observation(
+    return Observation(
         in_hbm=state.in_hbm,
         valid=valid,
         last_read=st.last_read,
@@ -68,9 +78,6 @@ def time_plan(policy, state: SimState, setup: Setup, reads_buf, t, repeats: int 
         value_to_go=vg,
         capacity=setup.capacity,
     )
-    env = setup.env
-    fn = jax.jit(lambda p, o: policy.plan(p, o, env))
-    return _best(fn, (state.pstate, obs), repeats)
 
 
 def time_rule(policy, state: SimState, setup: Setup, reads_buf, t, repeats: int = 5) -> float:
