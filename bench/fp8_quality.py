@@ -187,18 +187,45 @@ def compare(full: dict, ref: dict, q: dict, truth: np.ndarray) -> dict:
     )
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def add_text_args(ap, *, model: str, dtype: str, batch: int, prompt_len: int) -> None:
+    """The options of a script that scores a model on held-out text windows (this one,
+    bench/sparse_quality.py), with its own defaults."""
     ap.add_argument(
         "--model",
-        default="default",
+        default=model,
         help="'default', 'smollm2', an HF checkpoint folder or a .gguf file",
     )
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--dtype", default=dtype, choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--prompt-len", type=int, default=prompt_len)
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
+
+
+def check_text_args(args) -> None:
+    """`add_text_args`' sizes checked before the model loads."""
+    for name in ("batch", "prompt_len", "steps", "block_size"):
+        check_number(f"--{name.replace('_', '-')}", getattr(args, name), integer=True, low=1)
+
+
+def load_windows(args):
+    """(model, tokenizer or None, params, windows [batch, prompt + steps + 1], truth [steps,
+    batch]: each scored step's true next token) for `add_text_args`' options."""
+    from flax import nnx
+
+    from models.generate import check_model_spec, load_model
+
+    check_model_spec(args.model, "--model")
+    model, tok = load_model(args.model, dtype=args.dtype)
+    _, params = nnx.split(model)
+    length = args.prompt_len + args.steps + 1
+    windows = heldout_windows(tok, model.config.vocab_size, args.batch, length)
+    return model, tok, params, windows, windows[:, args.prompt_len + 1 : length].T
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_text_args(ap, model="default", dtype="bfloat16", batch=4, prompt_len=512)
     ap.add_argument("--hbm", default="0.5,0.25,tails", help="HBM sizes: fractions or 'tails'")
     ap.add_argument("--policies", default="static,lru")
     ap.add_argument("--attention", default="exact,sparse", help="exact and/or sparse (top 25%%)")
@@ -214,8 +241,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    for name in ("batch", "prompt_len", "steps", "block_size"):
-        check_number(f"--{name.replace('_', '-')}", getattr(args, name), integer=True, low=1)
+    check_text_args(args)
     fp8s = args.fp8.split(",")
     for f in fp8s:
         if parse_policy(f)[0] == "off":
@@ -226,16 +252,9 @@ def main(argv=None) -> int:
     for h in hbms:
         if h != "tails":
             check_number("--hbm", float(h), low=0.0, high=1.0, low_open=True)
-    from flax import nnx
-
-    from models.generate import load_model
-
-    model, tok = load_model(args.model, dtype=args.dtype)
-    _, params = nnx.split(model)
+    model, tok, params, windows, truth = load_windows(args)
     mc = model.config
     length = args.prompt_len + args.steps + 1
-    windows = heldout_windows(tok, mc.vocab_size, args.batch, length)
-    truth = windows[:, args.prompt_len + 1 : args.prompt_len + args.steps + 1].T  # [steps, B]
     rows = []
     t0 = time.perf_counter()
     modes = args.attention.split(",")

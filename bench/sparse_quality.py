@@ -32,7 +32,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from _progress import tqdm  # noqa: E402
-from fp8_quality import _kl_top1, _ppl, _run, heldout_windows  # noqa: E402
+from fp8_quality import _kl_top1, _ppl, _run, add_text_args, check_text_args, load_windows  # noqa: E402
 
 from jaxkv.config import check_number  # noqa: E402
 
@@ -72,33 +72,15 @@ def compare(full: dict, sparse: dict, truth: np.ndarray) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument(
-        "--model",
-        default="smollm2",
-        help="'smollm2' (default), 'default', an HF checkpoint folder or a .gguf file",
-    )
-    ap.add_argument("--dtype", default="float32", choices=("bfloat16", "float16", "float32"))
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--prompt-len", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=16)
+    add_text_args(ap, model="smollm2", dtype="float32", batch=2, prompt_len=2048)
     ap.add_argument("--topk", default="0.1,0.25,0.5", help="shares of the sealed blocks read")
     ap.add_argument("--profile", default="h200-pcie", help="hardware modeled for tokens/s")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    for name in ("batch", "prompt_len", "steps", "block_size"):
-        check_number(f"--{name.replace('_', '-')}", getattr(args, name), integer=True, low=1)
+    check_text_args(args)
     shares = parse_topk(args.topk)
-    from flax import nnx
-
-    from models.generate import check_model_spec, load_model
-
-    check_model_spec(args.model, "--model")
-    model, tok = load_model(args.model, dtype=args.dtype)
-    _, params = nnx.split(model)
+    model, tok, params, windows, truth = load_windows(args)
     mc = model.config
-    windows = heldout_windows(tok, mc.vocab_size, args.batch, args.prompt_len + args.steps + 1)
-    truth = windows[:, args.prompt_len + 1 : args.prompt_len + args.steps + 1].T  # [steps, B]
     t0 = time.perf_counter()
     run = lambda attention, k: _run(  # noqa: E731
         model, params, windows, args.prompt_len, args.steps, 1.0, "static", attention, "off",
