@@ -140,3 +140,21 @@ def fp8_config(**kw):
         fp8="host",
     )
     return CacheConfig(**{**base, **kw})
+
+
+def load_bench(name: str):
+    """bench/NAME.py imported as a module, bench/ on sys.path while it loads (the scripts import
+    their siblings, such as bench/_progress.py)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).parents[1] / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(bench))
+    return mod

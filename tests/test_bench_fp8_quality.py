@@ -1,26 +1,18 @@
 """bench/fp8_quality.py --equal-hbm-bytes: the HBM pool each FP8 policy gets from FP8 off's
 HBM bytes (pure config arithmetic; the decode runs are the bench's, not the tests')."""
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import load_bench
 
 BENCH = Path(__file__).parents[1] / "bench"
 
 
 @pytest.fixture(scope="module")
 def fq():
-    sys.path.insert(0, str(BENCH))  # the script imports bench/_progress.py
-    try:
-        spec = importlib.util.spec_from_file_location("fp8_quality", BENCH / "fp8_quality.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCH))
-    return mod
+    return load_bench("fp8_quality")
 
 
 MC = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16")

@@ -1,28 +1,20 @@
 """bench/seed_stats.py: where the mass sits (sink share, blocks holding 90%) on hand-made mass,
 and the side-by-side table on a recorded and a synthetic trace."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import load_bench
 
 BENCH = Path(__file__).parents[1] / "bench"
 
 
 @pytest.fixture(scope="module")
 def ss():
-    sys.path.insert(0, str(BENCH))  # the script imports bench/plot_importance.py
-    try:
-        spec = importlib.util.spec_from_file_location("seed_stats", BENCH / "seed_stats.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCH))
-    return mod
+    return load_bench("seed_stats")
 
 
 def test_concentration_of_a_sink_and_of_uniform_mass(ss):

@@ -1,26 +1,18 @@
 """bench/sparse_quality.py on the small default model: a top-k share that reads every live block
 agrees with exact attention, a small share reads fewer blocks, and bad shares are refused."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_bench
 
 BENCH = Path(__file__).parents[1] / "bench"
 
 
 @pytest.fixture(scope="module")
 def sq():
-    sys.path.insert(0, str(BENCH))  # the script imports bench/_progress.py and fp8_quality
-    try:
-        spec = importlib.util.spec_from_file_location("sparse_quality", BENCH / "sparse_quality.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCH))
-    return mod
+    return load_bench("sparse_quality")
 
 
 @pytest.mark.slow  # three decoders compiled: 12 s on 2 cores; the default suite is near 15 min
