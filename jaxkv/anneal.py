@@ -150,10 +150,14 @@ def init(
     Returns:
       AnnealState.
     """
+    return _init(problem, block_deltas(problem), key, config)
+
+
+def _init(problem: AnnealProblem, deltas: BlockDeltas, key: jax.Array, config: AnnealConfig):
+    """`init` with the problem's per-block deltas given (`run` computes them once for both)."""
     layers, n = problem.x0.shape
     c = config.chains
     x = greedy_init(problem)  # [L, N]
-    deltas = block_deltas(problem)
     hbm, link = loads(problem, x)  # [L, W]
     miss = miss_of(problem, x)
     sp = spread_of(problem, hbm.ndim)
@@ -368,8 +372,8 @@ def run(
       AnnealResult: x [layers, N] bool, metrics (start and result energies, moves made,
       certified layers, iterations) and the final AnnealState.
     """
-    state = init(problem, key, config)
     deltas = block_deltas(problem)
+    state = _init(problem, deltas, key, config)
 
     def cond(s):
         return (s.it < config.max_iters) & jnp.any(active(s, config))
