@@ -108,6 +108,12 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=4, help="untimed steps after the compile")
     ap.add_argument("--window", type=int, default=8, help="steps between plans (W)")
     ap.add_argument("--hbm-fraction", type=float, default=0.25)
+    ap.add_argument(
+        "--host-tier",
+        choices=("write-through", "exclusive"),
+        default="write-through",
+        help="CacheConfig.host_tier of every tiered case",
+    )
     ap.add_argument("--topk", type=float, default=0.25)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument(
@@ -208,6 +214,7 @@ def run_case(args, model, profile, frac, placement, context, batch, policy_kwarg
         max_len=context + n_new + MARGIN,
         block_size=args.block_size,
         hbm_capacity=frac,
+        host_tier=args.host_tier,
     )
     dec = Decoder(
         model, cfg, placement, max_new_tokens=n_new, profile=profile, policy_kwargs=policy_kwargs
@@ -267,7 +274,7 @@ def main(argv=None) -> int:
         f"{mc.vocab_size}, {mc.dtype}, random weights; contexts {args.context_list}, batches "
         f"{args.batch_list}, {args.steps} timed steps after a compile call and {args.warmup} "
         f"warm-up steps, W={args.window}, HBM {args.hbm_fraction:.0%}, sparse top "
-        f"{args.topk:.0%}"
+        f"{args.topk:.0%}, host tier {args.host_tier}"
     )
     measured = None
     if gpu:

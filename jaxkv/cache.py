@@ -2,12 +2,19 @@
 (memory kind `config.host_memory_kind`: `pinned_host`, or `unpinned_host` / `device`).
 
 A block is `block_size` consecutive tokens of one sequence in one layer (all KV heads, K and V).
-Every written logical block lives in exactly one slot of one tier; the block table maps
-(layer, sequence, logical block) -> (tier, slot). The block a sequence is filling (its *tail*,
-logical index `lengths[b] // block_size`) always lives in HBM and is allocated before its first
-token arrives; when it fills up it is *sealed*: it stays in HBM when a free HBM slot is left for
-the next tail, otherwise it spills to host (so with no migration the cache fills HBM in write
-order and spills the rest: the Static policy of `jaxkv.policies`).
+The block table maps (layer, sequence, logical block) -> (tier, slot): where attention reads
+the block. The block a sequence is filling (its *tail*, logical index `lengths[b] //
+block_size`) always lives in HBM and is allocated before its first token arrives; when it fills
+up it is *sealed*: it stays in HBM when a free HBM slot is left for the next tail, otherwise it
+spills to host (so with no migration the cache fills HBM in write order and spills the rest:
+the Static policy of `jaxkv.policies`).
+
+The host tier (`CacheConfig.host_tier`) is write-through by default: every sealed block has
+exactly one host copy, at host slot `sequence * max_blocks + block`, written when it is sealed
+(in the step's one bulk host write), and at most one HBM copy, bit-identical to it (FP8 values
+and scales included); a block whose tier is HBM has both, one on host only the copy. Demoting
+frees the HBM slot and moves no data. With host_tier="exclusive" every written block lives in
+exactly one slot of one tier, and a demotion writes it back over the link.
 
 Where things are: the pytree, its shardings and the host-pool size check in `jaxkv.cache_layout`,
 migrations (`plan_moves`, `migrate`) in `jaxkv.migration`, the writes, compaction and debug views
@@ -49,6 +56,7 @@ from jaxkv.cache_layout import (  # noqa: F401  (re-exported: callers use `jaxkv
 )
 from jaxkv.config import TIER_HBM, TIER_HOST, TIER_NONE
 from jaxkv.migration import Moves, migrate, plan_moves  # noqa: F401  (re-exported)
+from jaxkv.quant import host_rounded
 from jaxkv.slot_ops import first_free, take
 from jaxkv.transfer import rows_of, traced
 from pallas_kernels.compaction import compaction, compaction_moves
@@ -112,12 +120,25 @@ def _prefill(cache: TieredKVCache, k, v, lengths) -> TieredKVCache:
     L, B, M, bs = c.num_layers, c.batch, c.max_blocks, c.block_size
     S_h, S_x = c.hbm_blocks, c.host_blocks
     kb, vb, live = _prompt_blocks(k, v, lengths, M, bs)
-    tier, slot, to_hbm, to_host, written = _prefill_table(lengths, B, M, bs, S_h)
+    tier, slot, to_hbm, to_host, written = _prefill_table(lengths, B, M, bs, S_h, c.write_through)
     # pools: gather each slot's source block (device side), then place host pools in one copy
     flat_k = kb.reshape(L, B * M, bs, *k.shape[3:])
     flat_v = vb.reshape(L, B * M, bs, *v.shape[3:])
+    if c.write_through:  # every sealed block's host copy at its flat index
+        sealed = (jnp.arange(M)[None] < (lengths // bs)[:, None]).reshape(-1)  # [B * M]
+        xk, xv, host_used = _pool_for(sealed, jnp.arange(B * M), S_x, flat_k, flat_v)
+        if c.fp8 == "host":  # sealed HBM copies hold what their FP8 host copies read back
+            flat = (L * B * M, bs, *k.shape[3:])
+            keep = sealed[None, :, None, None, None]
+            flat_k = jnp.where(
+                keep, host_rounded(c, flat_k.reshape(flat)).reshape(flat_k.shape), flat_k
+            )
+            flat_v = jnp.where(
+                keep, host_rounded(c, flat_v.reshape(flat)).reshape(flat_v.shape), flat_v
+            )
+    else:
+        xk, xv, host_used = _pool_for(to_host, slot, S_x, flat_k, flat_v)
     hk, hv, hbm_used = _pool_for(to_hbm, slot, S_h, flat_k, flat_v)
-    xk, xv, host_used = _pool_for(to_host, slot, S_x, flat_k, flat_v)
     kmin, kmax = _key_bounds(kb, live)
     return replace(
         cache,
@@ -163,13 +184,14 @@ def _prompt_ring(c, kb, vb, lengths) -> dict:
     )
 
 
-def _prefill_table(lengths, B: int, M: int, bs: int, S_h: int):
+def _prefill_table(lengths, B: int, M: int, bs: int, S_h: int, write_through: bool):
     """Every layer's placement after prefill, [batch, max_blocks] each: (tier, slot, the blocks
     in HBM (sealed ones and tails), those on host, those written).
 
     Sealed blocks are ranked in write order, (logical block, sequence); the first fill the HBM
-    slots not reserved for tails, the rest take host slots in that order; the tails take the
-    HBM slots after the sealed blocks, in sequence order."""
+    slots not reserved for tails, the rest live on host: at their flat index b * M + j
+    (`write_through`), else in host slots in that order; the tails take the HBM slots after the
+    sealed blocks, in sequence order."""
     j = jnp.arange(M)
     n_sealed = lengths // bs  # [B]
     sealed = j[None] < n_sealed[:, None]  # [B, M]
@@ -185,6 +207,8 @@ def _prefill_table(lengths, B: int, M: int, bs: int, S_h: int):
     tail_rank = jnp.cumsum(has_tail) - 1  # [B]
     hbm_slot = jnp.where(to_hbm, rank, n_hbm_sealed + tail_rank[:, None])
     host_slot = rank - hbm_for_sealed
+    if write_through:
+        host_slot = (jnp.arange(B)[:, None] * M + j[None]).astype(rank.dtype)
     tier = jnp.where(to_hbm | tail, TIER_HBM, jnp.where(to_host, TIER_HOST, TIER_NONE))
     slot = jnp.where(to_hbm | tail, hbm_slot, jnp.where(to_host, host_slot, 0)).astype(jnp.int32)
     return tier, slot, to_hbm | tail, to_host, sealed | tail
@@ -274,10 +298,11 @@ def advance(cache: TieredKVCache, active, *, after_reads=None) -> TieredKVCache:
     """Advances lengths of active sequences by one token and seals tails that filled up.
 
     A sealed tail keeps its HBM slot when another free HBM slot exists for the new tail;
-    otherwise it spills to a host slot and its HBM slot becomes the new tail's. Per layer the
-    sealing sequences take the free HBM slots in sequence order; the spills of all layers are
-    written to host in one bulk transfer per pool (`jaxkv.transfer.write_blocks`), every step
-    (entries that do not spill are marked unused), so no loop or branch depends on the data.
+    otherwise it spills to host and its HBM slot becomes the new tail's. Per layer the sealing
+    sequences take the free HBM slots in sequence order. The host writes of all layers (every
+    sealed block's host copy under a write-through host tier, the spills under an exclusive
+    one) go in one bulk transfer per pool (`jaxkv.transfer.write_blocks`), every step (entries
+    that write nothing are marked unused), so no loop or branch depends on the data.
 
     Args:
       active: [batch] bool.
@@ -302,23 +327,36 @@ def _advance(cache: TieredKVCache, active, after_reads) -> TieredKVCache:
     keep = seal[None] & (seal_rank[None] < n_hbm_free[:, None])  # [L, B]
     spill = seal[None] & ~keep
     tail_slot = jnp.where(keep, take(hbm_list, jnp.broadcast_to(seal_rank, (L, B))), old_slot)
-    host_list, _ = first_free(cache.host_free, B)
-    host_slot = take(host_list, jnp.maximum(jnp.cumsum(spill, axis=1) - 1, 0))  # [L, B]
+    # the block that seals: old_j where `seal`; the last block of a sequence that fills max_len
+    # seals in place, without a new tail (`at_end`)
+    at_end = ok & (lengths % bs == 0) & ~seal
+    sj = jnp.clip(lengths // bs - 1, 0, M - 1)
+    sj_slot = cache.slot[:, b, sj]  # [L, B]: its HBM slot
+    stays = (seal[None] & keep) | at_end[None]  # [L, B]: sealed blocks that stay in HBM
+    if c.write_through:  # every sealed block gets its host copy, at its flat index
+        host_slot = jnp.broadcast_to(b * M + sj, (L, B))
+        copied = jnp.broadcast_to(seal | at_end, (L, B))
+    else:  # only the spills, in free host slots
+        host_list, _ = first_free(cache.host_free, B)
+        host_slot = take(host_list, jnp.maximum(jnp.cumsum(spill, axis=1) - 1, 0))  # [L, B]
+        copied = spill
 
     lay = jnp.arange(L)[:, None]
-    rows = rows_of(lay, host_slot, spill, c.host_blocks).reshape(-1)
+    rows = rows_of(lay, host_slot, copied, c.host_blocks).reshape(-1)
     blk = (L * B, c.block_size, c.kv_heads, c.head_dim)
     if c.ring_blocks:  # fp8="age": the sealed block is quantized from the ring into its slot
-        # (the last block of a sequence that fills max_len seals in place, without a new tail)
-        sj = jnp.clip(lengths // bs - 1, 0, M - 1)  # old_j where `seal`
         e = sj % c.ring_blocks
         sealed_k, sealed_v = cache.ring_k[:, b, e], cache.ring_v[:, b, e]  # [L, B, ...]
-        stays = (seal[None] & keep) | (ok & (lengths % bs == 0) & ~seal)[None]
-        at = jnp.where(stays, cache.slot[:, b, sj], c.hbm_blocks)  # -> dropped
+        at = jnp.where(stays, sj_slot, c.hbm_blocks)  # -> dropped
         hbm = write_hbm(cache, lay, at, sealed_k, sealed_v)
     else:
-        sealed_k, sealed_v = cache.hbm_k[lay, old_slot], cache.hbm_v[lay, old_slot]
+        sealed_k, sealed_v = cache.hbm_k[lay, sj_slot], cache.hbm_v[lay, sj_slot]
         hbm = {}
+        if c.write_through and c.fp8 == "host":  # the HBM copy: what the FP8 copy reads back
+            at = jnp.where(stays, sj_slot, c.hbm_blocks)  # -> dropped
+            rk = host_rounded(c, sealed_k.reshape(blk)).reshape(sealed_k.shape)
+            rv = host_rounded(c, sealed_v.reshape(blk)).reshape(sealed_v.shape)
+            hbm = write_hbm(cache, lay, at, rk, rv)
     host = write_host(cache, rows, sealed_k.reshape(blk), sealed_v.reshape(blk), after_reads)
     tier = cache.tier.at[:, b, old_j].set(jnp.where(spill, TIER_HOST, cache.tier[:, b, old_j]))
     tier = tier.at[:, b, new_j].set(jnp.where(seal[None], TIER_HBM, tier[:, b, new_j]))
@@ -326,7 +364,7 @@ def _advance(cache: TieredKVCache, active, after_reads) -> TieredKVCache:
     slot = slot.at[:, b, new_j].set(jnp.where(seal[None], tail_slot, slot[:, b, new_j]))
     S_h, S_x = c.hbm_blocks, c.host_blocks
     hbm_free = cache.hbm_free.at[lay, jnp.where(keep, tail_slot, S_h)].set(False, mode="drop")
-    host_free = cache.host_free.at[lay, jnp.where(spill, host_slot, S_x)].set(False, mode="drop")
+    host_free = cache.host_free.at[lay, jnp.where(copied, host_slot, S_x)].set(False, mode="drop")
     return replace(
         cache,
         **hbm,
@@ -427,19 +465,39 @@ def to_dense(cache: TieredKVCache) -> tuple[jax.Array, jax.Array]:
     return jnp.where(mask, bk.reshape(shape), 0), jnp.where(mask, bv.reshape(shape), 0)
 
 
-def check_invariants(cache: TieredKVCache) -> None:
-    """Raises AssertionError if the table and free masks disagree (host-side, for tests)."""
+def check_invariants(cache: TieredKVCache, *, contents: bool = False) -> None:
+    """Raises AssertionError if the table and free masks disagree (host-side, for tests).
+
+    Under a write-through host tier: every sealed block has its host copy at its flat index
+    and no other host slot is used; with `contents`, every sealed block in HBM is also checked
+    to be bit-identical to its host copy (values, and FP8 scales where both are FP8)."""
     c = cache.config
     tier, slot = np.asarray(cache.tier), np.asarray(cache.slot)
     hbm_free, host_free = np.asarray(cache.hbm_free), np.asarray(cache.host_free)
     lengths = np.asarray(cache.lengths)
+    B, M = c.batch, c.max_blocks
+    sealed = np.arange(M)[None] < (lengths // c.block_size)[:, None]  # [B, M]
+    flat = np.arange(B * M).reshape(B, M)
     for layer in range(c.num_layers):
-        for kind, free, code in (("hbm", hbm_free, TIER_HBM), ("host", host_free, TIER_HOST)):
-            owners = slot[layer][tier[layer] == code]
-            assert len(np.unique(owners)) == len(owners), f"layer {layer}: {kind} slot shared"
-            used = np.zeros(free.shape[1], bool)
+        owners = slot[layer][tier[layer] == TIER_HBM]
+        assert len(np.unique(owners)) == len(owners), f"layer {layer}: hbm slot shared"
+        used = np.zeros(hbm_free.shape[1], bool)
+        used[owners] = True
+        assert (used == ~hbm_free[layer]).all(), f"layer {layer}: hbm free mask disagrees"
+        if c.write_through:
+            on_host = tier[layer] == TIER_HOST
+            assert (slot[layer][on_host] == flat[on_host]).all(), (
+                f"layer {layer}: a host block is not at its flat index"
+            )
+            assert (sealed.reshape(-1) == ~host_free[layer]).all(), (
+                f"layer {layer}: host copies are not exactly the sealed blocks"
+            )
+        else:
+            owners = slot[layer][tier[layer] == TIER_HOST]
+            assert len(np.unique(owners)) == len(owners), f"layer {layer}: host slot shared"
+            used = np.zeros(host_free.shape[1], bool)
             used[owners] = True
-            assert (used == ~free[layer]).all(), f"layer {layer}: {kind} free mask disagrees"
+            assert (used == ~host_free[layer]).all(), f"layer {layer}: host free mask disagrees"
         for b in range(c.batch):
             n = lengths[b] // c.block_size
             written = -(-lengths[b] // c.block_size)
@@ -452,3 +510,40 @@ def check_invariants(cache: TieredKVCache) -> None:
                     assert t == TIER_NONE, f"layer {layer} seq {b} block {j} unexpectedly placed"
             if tail is not None:
                 assert tier[layer, b, tail] == TIER_HBM, f"layer {layer} seq {b}: tail not in HBM"
+    if contents and c.write_through:
+        _check_copies(cache, sealed)
+
+
+def _check_copies(cache: TieredKVCache, sealed) -> None:
+    """Every sealed HBM block equals its host copy bit for bit (FP8 values and scales where
+    both pools are FP8; under fp8="host" the HBM copy equals the host copy dequantized)."""
+    c = cache.config
+    tier, slot = np.asarray(cache.tier), np.asarray(cache.slot)
+    M = c.max_blocks
+    lay, b, j = np.nonzero((tier == TIER_HBM) & sealed[None])
+    if not len(lay):
+        return
+    hs, xs = slot[lay, b, j], b * M + j
+    both_fp8 = c.fp8_in("hbm") and c.fp8_in("host")
+    pairs = [("hbm_k", "host_k"), ("hbm_v", "host_v")]
+    if both_fp8:
+        pairs += [("hbm_ks", "host_ks"), ("hbm_vs", "host_vs")]
+    if both_fp8 or not c.fp8_in("host"):
+        for h, x in pairs:
+            hv = np.asarray(getattr(cache, h))[lay, hs].view(np.uint8)
+            xv = np.asarray(getattr(cache, x))[lay, xs].view(np.uint8)
+            bad = np.flatnonzero((hv != xv).reshape(len(lay), -1).any(axis=1))
+            assert not len(bad), (
+                f"{h} differs from its host copy for (layer, seq, block) "
+                f"{(int(lay[bad[0]]), int(b[bad[0]]), int(j[bad[0]]))}"
+            )
+        return
+    rows = jnp.asarray(lay * c.host_blocks + xs, jnp.int32)
+    xk, xv = read_host(cache, rows)
+    for name, pool, copy in (("hbm_k", cache.hbm_k, xk), ("hbm_v", cache.hbm_v, xv)):
+        hv = np.asarray(pool)[lay, hs].view(np.uint8)
+        bad = np.flatnonzero((hv != np.asarray(copy).view(np.uint8)).reshape(len(lay), -1).any(1))
+        assert not len(bad), (
+            f"{name} differs from its dequantized host copy for (layer, seq, block) "
+            f"{(int(lay[bad[0]]), int(b[bad[0]]), int(j[bad[0]]))}"
+        )

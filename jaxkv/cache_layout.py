@@ -130,15 +130,18 @@ def read_host(cache: TieredKVCache, rows) -> tuple[jax.Array, jax.Array]:
     return dequantize(xk, sk, c.jnp_dtype), dequantize(xv, sv, c.jnp_dtype)
 
 
-def write_host(cache: TieredKVCache, rows, k, v, after_reads=None) -> dict:
+def write_host(cache: TieredKVCache, rows, k, v, after_reads=None, scales=None) -> dict:
     """The host pools (and FP8 scales) with device blocks `k`, `v` [n, block_size, kv_heads,
     head_dim] written at flat rows `rows` [n] (distinct, -1: not written): one bulk write per
     pool (`jaxkv.transfer.write_blocks`, after `after_reads`), quantized on the device first
-    under fp8="host". Returns the changed fields, for `replace(cache, **fields)`."""
+    under fp8="host" / "age" (with `scales` = (sk, sv) [n, kv_heads] when the blocks come
+    dequantized from FP8 blocks of these scales: their bytes come back exactly). Returns the
+    changed fields, for `replace(cache, **fields)`."""
     c = cache.config
     kind = c.host_memory_kind
-    qk, sk = pool_blocks(c, k)
-    qv, sv = pool_blocks(c, v)
+    sk0, sv0 = (None, None) if scales is None else scales
+    qk, sk = pool_blocks(c, k, "host", sk0)
+    qv, sv = pool_blocks(c, v, "host", sv0)
     out = dict(
         host_k=write_blocks(
             cache.host_k, rows, qk, c.fetch, pool_kind=kind, after_reads=after_reads
@@ -171,14 +174,18 @@ def read_hbm(cache: TieredKVCache, lay, slots) -> tuple[jax.Array, jax.Array]:
     return k, v
 
 
-def write_hbm(cache: TieredKVCache, lay, slots, k, v) -> dict:
+def write_hbm(cache: TieredKVCache, lay, slots, k, v, scales=None) -> dict:
     """The HBM pools (and FP8 scales) with blocks `k`, `v` [*shape, block_size, kv_heads,
     head_dim] in the cache dtype written at `cache.hbm_k[lay, slots]` (`slots` >= hbm_blocks:
-    not written), quantized first under fp8="age". Returns the changed fields."""
+    not written), quantized first under fp8="age" (with `scales` = (sk, sv) [*shape,
+    kv_heads] when they come dequantized from FP8 blocks of these scales). Returns the changed
+    fields."""
     c = cache.config
     shape = k.shape[:-3]
-    qk, sk = pool_blocks(c, k.reshape(-1, *k.shape[-3:]), "hbm")
-    qv, sv = pool_blocks(c, v.reshape(-1, *v.shape[-3:]), "hbm")
+    flat = lambda s: None if s is None else s.reshape(-1, c.kv_heads)  # noqa: E731
+    sk0, sv0 = (None, None) if scales is None else map(flat, scales)
+    qk, sk = pool_blocks(c, k.reshape(-1, *k.shape[-3:]), "hbm", sk0)
+    qv, sv = pool_blocks(c, v.reshape(-1, *v.shape[-3:]), "hbm", sv0)
     out = dict(
         hbm_k=cache.hbm_k.at[lay, slots].set(qk.reshape(k.shape), mode="drop"),
         hbm_v=cache.hbm_v.at[lay, slots].set(qv.reshape(v.shape), mode="drop"),
@@ -289,5 +296,11 @@ def check_host_pool(config: CacheConfig, platform: str | None = None) -> None:
             f"{config.host_block_bytes} bytes per K+V block), over the GPU runtime's pinned-host "
             f"limit of {limit / 2**30:.1f} GiB: raise {GPU_HOST_LIMIT_VAR} (e.g. "
             f"{GPU_HOST_LIMIT_VAR}={int(need / 2**30) + 8}, set before jax starts) or lower "
-            "max_len, batch or host_capacity"
+            + (
+                "max_len or batch (host_tier='write-through' keeps every block on host; "
+                "host_tier='exclusive' with a smaller host_capacity keeps only what HBM "
+                "does not hold)"
+                if config.write_through
+                else "max_len, batch or host_capacity"
+            )
         )

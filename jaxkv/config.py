@@ -27,6 +27,7 @@ HOST_KIND = "pinned_host"
 HOST_KINDS = ("pinned_host", "unpinned_host", "device")
 
 FETCH_OPTIONS = ("auto", "xla", "pallas")  # jaxkv.transfer's mechanisms
+HOST_TIERS = ("write-through", "exclusive")  # CacheConfig.host_tier
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -78,8 +79,8 @@ class CacheConfig:
     Capacities are per layer, in blocks. `hbm_capacity` and `host_capacity` accept an int (blocks)
     or a float in (0, 1] (a fraction of the KV footprint `batch * max_blocks`). The HBM capacity
     includes one tail block per sequence: the block being filled always lives in HBM, so it must
-    be at least `batch`. `host_capacity=None` sizes the host pool to hold everything that does
-    not fit in HBM.
+    be at least `batch`. `host_capacity=None` sizes the host pool for `host_tier`: every block
+    (write-through), or everything that does not fit in HBM (exclusive).
 
     Attributes:
       num_layers, kv_heads, head_dim: model geometry.
@@ -107,6 +108,15 @@ class CacheConfig:
         only with "off".
       fp8_age: tokens read at full precision under fp8="age": a multiple of block_size, >= 0
         (0: every sealed block is read in FP8, the tail alone in `dtype`). Must be 0 otherwise.
+      host_tier: "write-through" (the default; an inclusive cache): every block gets its host
+        copy when it is sealed, at host slot `sequence * max_blocks + block` (the host pool
+        holds the whole KV, `batch * max_blocks` blocks per layer); HBM holds copies of a
+        subset, so a demotion frees an HBM slot with no link traffic and a promotion copies the
+        host block into HBM. Under fp8="host" a sealed block's HBM copy is its FP8 host copy
+        dequantized (rounded when it is sealed), so the two copies always agree and exact
+        attention does not depend on placement. "exclusive": every block lives in exactly one
+        tier; a demotion writes the block back over the link. For hosts smaller than the KV
+        (`host_capacity` below `batch * max_blocks`).
     """
 
     num_layers: int
@@ -122,8 +132,11 @@ class CacheConfig:
     fetch: str = "auto"
     fp8: str = "off"
     fp8_age: int = 0
+    host_tier: str = "write-through"
 
     def __post_init__(self):
+        if self.host_tier not in HOST_TIERS:
+            raise ValueError(f"host_tier must be one of {HOST_TIERS}, got {self.host_tier!r}")
         if self.fp8 not in FP8_MODES:
             raise ValueError(f"fp8 must be one of {FP8_MODES}, got {self.fp8!r}")
         _positive_int("fp8_age", self.fp8_age, minimum=0)
@@ -152,6 +165,14 @@ class CacheConfig:
                 f"hbm_capacity={self.hbm_capacity!r} gives {hbm} HBM blocks per layer, but each "
                 f"of the batch={self.batch} sequences needs one HBM tail block: expected "
                 f">= {self.batch}"
+            )
+        if self.write_through and self.host_blocks < self.total_blocks:
+            raise ValueError(
+                f"host_capacity={self.host_capacity!r} gives {self.host_blocks} host blocks per "
+                f"layer, but host_tier='write-through' keeps a host copy of every block: "
+                f"expected {self.total_blocks} (batch={self.batch} x {self.max_blocks} blocks of "
+                f"{self.block_size} tokens for max_len={self.max_len}), or None; for a host "
+                "smaller than the KV use host_tier='exclusive'"
             )
         if hbm + self.host_blocks < self.total_blocks:
             raise ValueError(
@@ -217,9 +238,16 @@ class CacheConfig:
         return self.hbm_blocks - self.batch
 
     @property
+    def write_through(self) -> bool:
+        """Whether every sealed block keeps a host copy (host_tier="write-through")."""
+        return self.host_tier == "write-through"
+
+    @property
     def host_blocks(self) -> int:
         """Host slots per layer (at least 1, so the host pool always exists)."""
         if self.host_capacity is None:
+            if self.write_through:
+                return self.total_blocks
             return max(1, self.total_blocks - self.hbm_blocks)
         return max(1, self._blocks("host_capacity", self.host_capacity))
 

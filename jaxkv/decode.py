@@ -70,6 +70,7 @@ from jaxkv.decode_state import (
     Prefilled,
     SamplingState,
     Statistics,
+    copied_demotions,
     initial_state,
     link_migration_bytes,
     new_window,
@@ -404,7 +405,7 @@ class Decoder:
             state, moved = self._window(state)
         lat = self._step_latency(hbm_b, host_b, moved, promoted, demoted)
         m = state.metrics
-        n_moved = (moved + promoted + demoted).sum().astype(jnp.int32)
+        n_moved = (moved + promoted + copied_demotions(c, demoted)).sum().astype(jnp.int32)
         m = replace(m, latency=m.latency.at[step].set(lat))
         state = replace(state, metrics=replace(m, moved_trace=m.moved_trace.at[step].set(n_moved)))
         return (state, logits.astype(jnp.float32)) if with_logits else state
@@ -487,7 +488,8 @@ class Decoder:
         write_b = float(c.batch * (c.block_bytes + (bb if c.ring_blocks else 0)) / c.block_size)
         # as in the simulator (docs/paper.md): a migration crosses the link once and touches
         # HBM once, in its step; a follow promotion rides on the step's host read (HBM only)
-        mig_h = (moved + promoted + demoted).astype(jnp.float32) * bb  # [L]
+        # (a write-through demotion only frees its HBM slot: no copy)
+        mig_h = (moved + promoted + copied_demotions(c, demoted)).astype(jnp.float32) * bb  # [L]
         mig_l = link_mig if link_mig is not None else link_migration_bytes(c, moved, demoted)
         return layer_step_time(
             hbm_b,

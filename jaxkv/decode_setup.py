@@ -47,16 +47,17 @@ def layer_weight_bytes(params, num_layers: int) -> float:
 def plan_env(
     profile: HardwareProfile, cache_config: CacheConfig, weight_bytes_per_layer: float
 ) -> CostModel:
-    """The environment plans are priced in; the cache is exclusive: a demotion copies the
-    block over the link. Under fp8="age" a block is priced at its FP8 bytes in both tiers (the
-    ring's recent blocks, read at full precision wherever they are placed, are priced so too:
-    they are `ring_blocks` per sequence, a small share at long context)."""
+    """The environment plans are priced in: a demotion is free under a write-through host
+    tier (the block keeps its host copy) and copies the block over the link under an
+    exclusive one (`demote_cost` 1). Under fp8="age" a block is priced at its FP8 bytes in
+    both tiers (the ring's recent blocks, read at full precision wherever they are placed, are
+    priced so too: they are `ring_blocks` per sequence, a small share at long context)."""
     return CostModel(
         profile=profile,
         block_bytes=float(cache_config.hbm_block_bytes),
         host_block_bytes=float(cache_config.host_block_bytes),
         fixed_bytes=weight_bytes_per_layer,
-        demote_cost=1.0,
+        demote_cost=0.0 if cache_config.write_through else 1.0,
         block_size=cache_config.block_size,
     )
 

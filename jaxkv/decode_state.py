@@ -208,7 +208,7 @@ def record_step(
         m,
         hbm_bytes=m.hbm_bytes.at[step].set(hbm_b.sum()),
         host_bytes=m.host_bytes.at[step].set(host_b.sum()),
-        migrated_blocks=m.migrated_blocks + (promoted + demoted).sum(),
+        migrated_blocks=m.migrated_blocks + (promoted + copied_demotions(c, demoted)).sum(),
         hbm_reads=m.hbm_reads + n_hbm,
         total_reads=m.total_reads + n_all,
         window_trace=m.window_trace.at[step].set(state.placement.window),
@@ -271,6 +271,15 @@ def summarize(
     return out
 
 
+def copied_demotions(c: CacheConfig, demoted):
+    """The follow demotions that copy a block: all under an exclusive host tier, none under a
+    write-through one (the block's host copy is already there)."""
+    return jnp.zeros_like(demoted) if c.write_through else demoted
+
+
 def link_migration_bytes(c: CacheConfig, moved, demoted):
-    """[layers] f32 link bytes of a step's migrations (a follow promotion rides on the read)."""
-    return (moved + demoted).astype(jnp.float32) * float(c.host_block_bytes)
+    """[layers] f32 link bytes of a step's migrations: the blocks `migrate` copied (`moved`) and
+    the follow demotions, written back under an exclusive host tier and free under a
+    write-through one (a follow promotion rides on the step's host read)."""
+    crossed = moved if c.write_through else moved + demoted
+    return crossed.astype(jnp.float32) * float(c.host_block_bytes)

@@ -3,7 +3,9 @@
 `plan_moves` turns a target placement into at most `max_moves` promotions per layer, paired with
 the demotions that make room for them; `migrate` applies such a `Moves`: every read first (host
 -> device for the promotions, HBM -> device for the demotions), then one bulk write per pool and
-direction (`jaxkv.transfer`), then the block table and free masks.
+direction (`jaxkv.transfer`), then the block table and free masks. Under a write-through host
+tier (`CacheConfig.host_tier`) a demotion copies nothing: the block already has its host copy, so
+it only frees its HBM slot; a promotion copies the host block into HBM and keeps the copy.
 """
 
 from __future__ import annotations
@@ -111,8 +113,10 @@ def migrate(
     apply (past the count, a block not sealed, already in the destination tier, or listed
     twice) are skipped. Every read happens before any write, so a promotion may take the HBM
     slot a demotion frees and a demotion the host slot a promotion frees. Demotions beyond the
-    host pool's room are dropped. When HBM has too few free slots for the promotions, the
-    resident sealed blocks of the lowest flat index that are not being demoted make room
+    host pool's room are dropped (exclusive host tier; under write-through a demotion writes
+    nothing and frees its HBM slot, a promotion keeps the host copy). When HBM has too few
+    free slots for the promotions, the resident sealed blocks of the lowest flat index that
+    are not being demoted make room
     (use `plan_moves` to control which blocks leave); a block promoted here is never evicted
     here.
 
@@ -127,7 +131,8 @@ def migrate(
         read from host by the caller (the decode loop's host read of this step); the
         promotions then write them to HBM without reading the host pool again. None: read.
     Returns:
-      (new cache, [layers] int32 number of blocks actually moved; 0 outside `layers`).
+      (new cache, [layers] int32 number of blocks copied between the tiers (exclusive: every
+      block moved; write-through: the promotions); 0 outside `layers`).
     """
     L = cache.config.num_layers
     chosen = tuple(range(L)) if layers is None else tuple(layers)
@@ -161,7 +166,8 @@ def _migrate(cache: TieredKVCache, moves: Moves, after_reads, fetched, *, layers
     nl, N = len(layers), cache.config.batch * cache.config.max_blocks
     tier, slot, sealed = (a[ls].reshape(nl, N) for a in (cache.tier, cache.slot, cache.sealed))
     hbm_free, host_free = cache.hbm_free[ls], cache.host_free[ls]
-    t = _plan_transfers(moves, ls, tier, slot, sealed, hbm_free, host_free, fetched is not None)
+    wt = cache.config.write_through
+    t = _plan_transfers(moves, ls, tier, slot, sealed, hbm_free, host_free, fetched is not None, wt)
     pk, pv = _promoted_blocks(cache, moves, ls, t, fetched)
     pools = _write_pools(cache, ls, t, pk, pv, after_reads)
     return _with_tables(cache, ls, t, pools, (tier, slot, hbm_free, host_free))
@@ -198,13 +204,17 @@ def _victims(tier, sealed, d_blk, n_d, n_p, n_hbm_free, Kp: int):
     return v_blk, jnp.clip(n_p - n_hbm_free - n_d, 0, n_res)
 
 
-def _plan_transfers(moves: Moves, ls, tier, slot, sealed, hbm_free, host_free, with_from: bool):
-    """Which blocks move and between which slots ([nl, N] tables of the chosen layers)."""
+def _plan_transfers(
+    moves: Moves, ls, tier, slot, sealed, hbm_free, host_free, with_from: bool, write_through: bool
+):
+    """Which blocks move and between which slots ([nl, N] tables of the chosen layers). Under
+    `write_through` a block leaving HBM goes back to its host copy (slot = its flat index)."""
     d_blk, n_d, p_blk, n_p, p_from = _applying_entries(moves, ls, tier, sealed, with_from)
     Kd, Kp = d_blk.shape[1], p_blk.shape[1]
-    host_list, n_host_free = first_free(host_free, Kd + Kp)
     hbm_list, n_hbm_free = first_free(hbm_free, Kp)
-    n_d = jnp.minimum(n_d, n_host_free + n_p)  # host room: free slots and those promotions free
+    if not write_through:  # host room: free slots and those the promotions free
+        host_list, n_host_free = first_free(host_free, Kd + Kp)
+        n_d = jnp.minimum(n_d, n_host_free + n_p)
     v_blk, n_v = _victims(tier, sealed, d_blk, n_d, n_p, n_hbm_free, Kp)
     n_p = jnp.minimum(n_p, n_hbm_free + n_d + n_v)
 
@@ -217,8 +227,11 @@ def _plan_transfers(moves: Moves, ls, tier, slot, sealed, hbm_free, host_free, w
     out_src = jnp.concatenate([d_src, v_src], axis=1)
     j = jnp.arange(Kd + Kp)[None]
     out_ok = jnp.where(j < Kd, j < n_d[:, None], j - Kd < n_v[:, None])
-    out_rank = jnp.where(j < Kd, j, n_d[:, None] + j - Kd)
-    out_dst = nth(out_rank, host_list, n_host_free, p_src)
+    if write_through:  # a block's host copy is at its flat index: nothing is written
+        out_dst = out_blk
+    else:
+        out_rank = jnp.where(j < Kd, j, n_d[:, None] + j - Kd)
+        out_dst = nth(out_rank, host_list, n_host_free, p_src)
     vacated = compacted(out_ok, out_src)[0]  # HBM slots of demotions then victims
     r = jnp.arange(Kp)[None]
     p_dst = nth(r, hbm_list, n_hbm_free, vacated)
@@ -232,7 +245,7 @@ def _plan_transfers(moves: Moves, ls, tier, slot, sealed, hbm_free, host_free, w
         p_dst=p_dst,
         p_ok=r < n_p[:, None],
         p_from=p_from,
-        moved=n_d + n_v + n_p,
+        moved=n_p if write_through else n_d + n_v + n_p,
     )
 
 
@@ -265,14 +278,33 @@ def _write_pools(cache: TieredKVCache, ls, t: _Transfers, pk, pv, after_reads):
     lay = ls[:, None]
     nl, Kp = t.p_blk.shape
     blk = cache.hbm_k.shape[2:]
-    ok_k, ok_v = read_hbm(cache, lay, t.out_src)
-    reads = (pk, pv, after_reads)
-    o_rows = rows_of(lay, t.out_dst, t.out_ok, c.host_blocks).reshape(-1)
-    host = write_host(
-        cache, o_rows, ok_k.reshape(-1, *blk), ok_v.reshape(-1, *blk), after_reads=reads
-    )
+    both_fp8 = c.fp8_in("hbm") and c.fp8_in("host")  # fp8="age": copy FP8 bytes exactly
+    host = {}
+    if not c.write_through:  # write-through: the blocks leaving HBM have their host copies
+        ok_k, ok_v = read_hbm(cache, lay, t.out_src)
+        reads = (pk, pv, after_reads)
+        o_rows = rows_of(lay, t.out_dst, t.out_ok, c.host_blocks).reshape(-1)
+        o_scales = None
+        if both_fp8:
+            o_scales = tuple(
+                x[lay, t.out_src].reshape(-1, c.kv_heads) for x in (cache.hbm_ks, cache.hbm_vs)
+            )
+        host = write_host(
+            cache,
+            o_rows,
+            ok_k.reshape(-1, *blk),
+            ok_v.reshape(-1, *blk),
+            after_reads=reads,
+            scales=o_scales,
+        )
     p_at = jnp.where(t.p_ok, t.p_dst, c.hbm_blocks)
-    hbm = write_hbm(cache, lay, p_at, pk.reshape(nl, Kp, *blk), pv.reshape(nl, Kp, *blk))
+    p_scales = None
+    if both_fp8:  # the promoted blocks' host scales (device-resident)
+        at = jnp.clip(ls[:, None] * c.host_blocks + t.p_src, 0, c.num_layers * c.host_blocks - 1)
+        p_scales = tuple(x.reshape(-1, c.kv_heads)[at] for x in (cache.host_ks, cache.host_vs))
+    hbm = write_hbm(
+        cache, lay, p_at, pk.reshape(nl, Kp, *blk), pv.reshape(nl, Kp, *blk), scales=p_scales
+    )
     return {**hbm, **host}
 
 
@@ -298,8 +330,9 @@ def _with_tables(cache: TieredKVCache, ls, t: _Transfers, pools, tables):
     slot = slot.at[rr, blocks].set(new_slot.astype(jnp.int32), mode="drop")
     hbm_free = hbm_free.at[rr, jnp.where(t.out_ok, t.out_src, S_h)].set(True, mode="drop")
     hbm_free = hbm_free.at[rr, p_at].set(False, mode="drop")
-    host_free = host_free.at[rr, jnp.where(t.p_ok, t.p_src, S_x)].set(True, mode="drop")
-    host_free = host_free.at[rr, jnp.where(t.out_ok, t.out_dst, S_x)].set(False, mode="drop")
+    if not c.write_through:  # write-through: host copies stay where they are
+        host_free = host_free.at[rr, jnp.where(t.p_ok, t.p_src, S_x)].set(True, mode="drop")
+        host_free = host_free.at[rr, jnp.where(t.out_ok, t.out_dst, S_x)].set(False, mode="drop")
     cache = replace(
         cache,
         **pools,

@@ -47,10 +47,12 @@ def block_scales(blocks: jax.Array) -> jax.Array:
     return jnp.where(amax > 0, amax / FP8_MAX, 1.0)
 
 
-def quantize(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+def quantize(blocks: jax.Array, scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(float8_e4m3fn blocks, [n, kv_heads] f32 scales) of blocks [n, block_size, kv_heads,
-    head_dim] in any float dtype."""
-    scale = block_scales(blocks)
+    head_dim] in any float dtype. `scale` [n, kv_heads]: quantize with these scales (a block
+    dequantized with its scale re-quantizes to the same bytes with it; recomputing the scale
+    from the dequantized values can move it by an ulp), else `block_scales`."""
+    scale = block_scales(blocks) if scale is None else scale
     x = blocks.astype(jnp.float32) / scale[:, None, :, None]
     return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(FP8), scale
 
@@ -69,12 +71,22 @@ def error_bound(blocks: jax.Array) -> jax.Array:
     return jnp.maximum(FP8_REL_ERROR * x, FP8_SUB_ERROR * scale) * (1 + 2.0**-20)
 
 
-def pool_blocks(config, blocks: jax.Array, tier: str = "host"):
+def pool_blocks(config, blocks: jax.Array, tier: str = "host", scale=None):
     """What a pool of `tier` ("host" or "hbm") stores for device blocks [n, ...] in the cache
-    dtype: (values in that pool's dtype, [n, kv_heads] scales, or None where it is not FP8)."""
+    dtype: (values in that pool's dtype, [n, kv_heads] scales, or None where it is not FP8).
+    `scale`: the FP8 scales the blocks were dequantized with (a copy between FP8 pools), so the
+    bytes come back exactly; None: computed."""
     if not config.fp8_in(tier):
         return blocks.astype(config.jnp_dtype), None
-    return quantize(blocks)
+    return quantize(blocks, scale)
+
+
+def host_rounded(config, blocks: jax.Array) -> jax.Array:
+    """Blocks [n, ...] in the cache dtype as they read back from the host pool: dequantized
+    from their FP8 copy under fp8="host" (a write-through HBM copy holds these), else as is."""
+    if config.fp8 != "host":
+        return blocks
+    return dequantize(*quantize(blocks), config.jnp_dtype)
 
 
 def parse_policy(spec: str) -> tuple[str, int]:

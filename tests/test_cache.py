@@ -34,12 +34,13 @@ def _append(cache, key, active):
     return kvc.advance(cache, active), k
 
 
+@pytest.mark.parametrize("tier", ["write-through", "exclusive"])
 @pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host"])
-def test_memory_kinds_kept_by_every_op(kind):
+def test_memory_kinds_kept_by_every_op(kind, tier):
     """Every op keeps the configured kinds outside jit by itself; inside a jit, pinned_host by
     itself and unpinned_host where the jit passes `cache_shardings` (and may then donate the
     cache). The property test in test_transfer.py checks the kinds under every mechanism."""
-    cfg = _cfg(batch=2, max_len=24, hbm_capacity=4, host_memory_kind=kind)
+    cfg = _cfg(batch=2, max_len=24, hbm_capacity=4, host_memory_kind=kind, host_tier=tier)
     want = ("device", "device", kind, kind)
     cache = kvc.TieredKVCache.create(cfg)
     assert kinds(cache) == want
@@ -51,7 +52,9 @@ def test_memory_kinds_kept_by_every_op(kind):
     assert kinds(appended) == want
     target = jnp.zeros((2, cfg.total_blocks), bool)  # demote every sealed block
     moved, n = kvc.migrate(appended, kvc.plan_moves(appended, target, 4))
-    assert kinds(moved) == want and int(n.sum()) > 0
+    assert kinds(moved) == want
+    assert int(moved.in_hbm.sum()) < int(appended.in_hbm.sum())  # the demotions happened
+    assert int(n.sum()) == (0 if tier == "write-through" else int(appended.in_hbm.sum()))
     assert kinds(kvc.compact(moved)) == want
 
     def ops(cache):
@@ -115,8 +118,9 @@ def test_migrate_preserves_contents_and_capacity():
     assert int((~new.hbm_free).sum(axis=1).max()) <= c.hbm_blocks
 
 
-def test_migrate_swaps_when_hbm_full():
-    cache, dk, _ = random_cache(jax.random.key(5), shuffle_moves=0)
+@pytest.mark.parametrize("tier", ["write-through", "exclusive"])
+def test_migrate_swaps_when_hbm_full(tier):
+    cache, dk, _ = random_cache(jax.random.key(5), shuffle_moves=0, host_tier=tier)
     assert int(cache.hbm_free.sum()) == 0  # prefill filled HBM
     host_blocks = np.flatnonzero(np.asarray(cache.tier[0]).reshape(-1) == TIER_HOST)[:2]
     n = cache.config.num_layers
@@ -127,8 +131,9 @@ def test_migrate_swaps_when_hbm_full():
         num_promote=jnp.full((n,), 2, jnp.int32),
     )
     new, moved = kvc.migrate(cache, moves)
-    kvc.check_invariants(new)
-    assert moved.tolist() == [4, 4]  # two promotions, each with a swapped-out victim
+    kvc.check_invariants(new, contents=True)
+    # two promotions, each with a swapped-out victim (a copy only under an exclusive tier)
+    assert moved.tolist() == ([2, 2] if tier == "write-through" else [4, 4])
     assert (np.asarray(new.tier[0]).reshape(-1)[host_blocks] == TIER_HBM).all()
     np.testing.assert_array_equal(kvc.to_dense(new)[0], dk)
 
@@ -302,10 +307,13 @@ def test_zero_migration_budget_moves_nothing():
         np.testing.assert_array_equal(kvc.to_dense(new)[0], dk)
 
 
-def test_migrate_without_demotions_evicts_only_resident_blocks():
+@pytest.mark.parametrize("host_tier", ["write-through", "exclusive"])
+def test_migrate_without_demotions_evicts_only_resident_blocks(host_tier):
     """An empty demotion list: promotions beyond the free HBM slots evict blocks that were
     resident before the call, never one promoted by it; only as many as can be evicted go."""
-    cache, dk, dv = random_cache(jax.random.key(5), lengths=(40, 30), shuffle_moves=0)
+    cache, dk, dv = random_cache(
+        jax.random.key(5), lengths=(40, 30), shuffle_moves=0, host_tier=host_tier
+    )
     c = cache.config
     tier = np.asarray(cache.tier[0]).reshape(-1)
     resident = np.flatnonzero(np.asarray(cache.in_hbm[0]).reshape(-1))
@@ -325,6 +333,7 @@ def test_migrate_without_demotions_evicts_only_resident_blocks():
     promoted = host[:P][now[host[:P]] == TIER_HBM]
     assert len(promoted) == len(resident)  # one per evicted block
     assert (now[resident] == TIER_HOST).all()
-    assert moved.tolist() == [2 * len(resident)] * n
+    copies = len(resident) * (1 if host_tier == "write-through" else 2)  # promotions (+ victims)
+    assert moved.tolist() == [copies] * n
     for a, b in zip(kvc.to_dense(new), (dk, dv), strict=True):
         np.testing.assert_array_equal(a, b)

@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -15,9 +17,12 @@ GEOM = dict(num_layers=2, kv_heads=2, head_dim=8)
 def test_capacities_from_fraction_and_blocks():
     c = CacheConfig(**GEOM, batch=2, max_len=64, block_size=16, hbm_capacity=0.25)
     assert c.max_blocks == 4 and c.total_blocks == 8
-    assert c.hbm_blocks == 2 and c.hbm_pool_slots == 0 and c.host_blocks == 6
+    assert c.hbm_blocks == 2 and c.hbm_pool_slots == 0
+    assert c.host_blocks == 8  # write-through: a host copy of every block
     c = CacheConfig(**GEOM, batch=1, max_len=100, block_size=7, hbm_capacity=5)
-    assert c.max_blocks == 15 and c.hbm_blocks == 5 and c.host_blocks == 10
+    assert c.max_blocks == 15 and c.hbm_blocks == 5 and c.host_blocks == 15
+    c = dataclasses.replace(c, host_tier="exclusive")
+    assert c.host_blocks == 10  # exclusive: what does not fit in HBM
     assert c.block_bytes == 2 * 7 * 2 * 8 * 4
 
 
@@ -34,7 +39,29 @@ def test_error_hbm_cannot_hold_tails():
 
 def test_error_too_little_host_capacity():
     with pytest.raises(ValueError, match=r"host_capacity=2 gives 2 host blocks .* at least"):
-        CacheConfig(**GEOM, max_len=160, block_size=16, hbm_capacity=4, host_capacity=2)
+        CacheConfig(
+            **GEOM,
+            max_len=160,
+            block_size=16,
+            hbm_capacity=4,
+            host_capacity=2,
+            host_tier="exclusive",
+        )
+
+
+def test_error_write_through_host_smaller_than_the_kv():
+    with pytest.raises(
+        ValueError,
+        match=r"host_capacity=6 gives 6 host blocks per layer, but host_tier='write-through' "
+        r"keeps a host copy of every block: expected 10 .* use host_tier='exclusive'",
+    ):
+        CacheConfig(**GEOM, max_len=160, block_size=16, hbm_capacity=4, host_capacity=6)
+    CacheConfig(**GEOM, max_len=160, block_size=16, hbm_capacity=4, host_capacity=1.0)
+
+
+def test_error_unknown_host_tier():
+    with pytest.raises(ValueError, match=r"host_tier must be one of .*, got 'inclusive'"):
+        CacheConfig(**GEOM, host_tier="inclusive")
 
 
 def test_error_fraction_out_of_range():

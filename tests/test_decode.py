@@ -61,22 +61,33 @@ def test_all_hbm_matches_cache_free_forward(tiny, all_hbm_tokens):
         assert all_hbm_tokens[b, :12].tolist() == ref
 
 
+WT, EX = "write-through", "exclusive"
+
+
 @pytest.mark.parametrize(
-    "policy,hbm,block_size,window",
+    "policy,hbm,block_size,window,host_tier",
     [
-        ("static", 0.25, 8, 4),
-        ("lru", 0.25, 8, 3),
-        ("static", 6, 5, 2),
-        ("lru", 0.5, 5, 1),
-        ("anneal", 0.25, 8, 4),
+        ("static", 0.25, 8, 4, WT),
+        ("lru", 0.25, 8, 3, WT),
+        ("lru", 0.25, 8, 3, EX),
+        ("static", 6, 5, 2, EX),
+        ("lru", 0.5, 5, 1, WT),
+        ("anneal", 0.25, 8, 4, WT),
+        ("anneal", 0.25, 8, 4, EX),
+        ("anneal+reuse+follow", 0.25, 8, 4, WT),
+        ("anneal+reuse+follow", 0.25, 8, 4, EX),
     ],
 )
-def test_any_placement_gives_all_hbm_tokens(tiny, all_hbm_tokens, policy, hbm, block_size, window):
+def test_any_placement_gives_all_hbm_tokens(
+    tiny, all_hbm_tokens, policy, hbm, block_size, window, host_tier
+):
+    """Exact attention: the tokens equal the all-HBM cache's under every placement and both
+    host tiers (write-through: every HBM copy also bit-identical to its host copy)."""
     model, params = tiny
-    cfg = _cfg(model, hbm=hbm, block_size=block_size)
+    cfg = dataclasses.replace(_cfg(model, hbm=hbm, block_size=block_size), host_tier=host_tier)
     dec = Decoder(model, cfg, PlacementConfig(policy=policy, window=window), max_new_tokens=NEW)
     state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
-    kvc.check_invariants(state.cache)
+    kvc.check_invariants(state.cache, contents=True)
     np.testing.assert_array_equal(np.asarray(state.tokens), all_hbm_tokens)
     s = summarize(state)
     assert 0.0 < s["hbm_hit_rate"] < 1.0 and s["modeled_seconds"] > 0
@@ -129,11 +140,14 @@ def test_reuse_forecast_in_live_decode_is_lossless_and_learns(tiny, all_hbm_toke
     assert float(state.stats.since_seen.sum()) > 0 and float(state.stats.since_read.sum()) > 0
 
 
-@pytest.mark.parametrize("policy,window", [("lru", 2), ("anneal", 4)])
-def test_policy_migrates_under_sparse_attention(tiny, policy, window):
+@pytest.mark.parametrize("policy,window,host_tier", [("lru", 2, WT), ("anneal", 4, EX)])
+def test_policy_migrates_under_sparse_attention(tiny, policy, window, host_tier):
+    """Blocks are copied between the tiers (under write-through, anneal on this model's
+    HBM-bound steps only demotes, which copies nothing: its exclusive run is the check)."""
     model, params = tiny
     p = PlacementConfig(policy=policy, window=window, attention="sparse", topk=3, max_moves=4)
-    dec = Decoder(model, _cfg(model, hbm=0.25), p, max_new_tokens=NEW)
+    cfg = dataclasses.replace(_cfg(model, hbm=0.25), host_tier=host_tier)
+    dec = Decoder(model, cfg, p, max_new_tokens=NEW)
     state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
     kvc.check_invariants(state.cache)
     assert summarize(state)["migrated_blocks"] > 0
@@ -221,14 +235,17 @@ def test_follow_moves_only_blocks_the_step_read(tiny, admit):
     assert promotions > 0
 
 
-def test_migrations_load_both_sides_of_their_step(tiny):
+@pytest.mark.parametrize("host_tier", [WT, EX])
+def test_migrations_load_both_sides_of_their_step(tiny, host_tier):
     """The modeled time of a step with follow migrations, recomputed by hand: per layer,
-    max((weights + HBM reads + token write + moved) / B_hbm, (host reads + demoted) / B_link):
-    a promotion rides on the step's host read (its HBM write is the extra cost), a demotion
-    crosses the link."""
+    max((weights + HBM reads + token write + copied) / B_hbm, (host reads + written back) /
+    B_link): a promotion rides on the step's host read (its HBM write is the extra cost); a
+    demotion crosses the link under an exclusive host tier and costs nothing under a
+    write-through one."""
     model, params = tiny
     p = PlacementConfig(policy="anneal+reuse+follow", window=1, attention="sparse", topk=3)
-    dec = Decoder(model, _cfg(model, hbm=0.25), p, max_new_tokens=NEW, profile=SLOW_LINK)
+    cfg = dataclasses.replace(_cfg(model, hbm=0.25), host_tier=host_tier)
+    dec = Decoder(model, cfg, p, max_new_tokens=NEW, profile=SLOW_LINK)
     state = dec.prefill(params, _prompts(256), PROMPT_LENS)
     for _ in range(NEW - 1):  # the first step that migrates, demotes and seals no block
         sealed = np.asarray(state.cache.sealed)
@@ -244,6 +261,8 @@ def test_migrations_load_both_sides_of_their_step(tiny):
     read = np.asarray(state.stats.last_read == t).reshape(after.shape)
     promoted = (after & ~before).sum(axis=(1, 2))
     demoted = (before & ~after).sum(axis=(1, 2))
+    if host_tier == WT:  # a demotion only frees its HBM slot
+        demoted = 0 * demoted
     assert (promoted + demoted).sum() == int(state.metrics.migrated_blocks) - n0
     host = (read & ~before & sealed).sum(axis=(1, 2))  # read before the moves; tails in HBM
     bb, prof = c.block_bytes, SLOW_LINK
@@ -671,9 +690,7 @@ def test_decoders_start_from_one_shared_prefill(tiny, all_hbm_tokens):
     prompts = _prompts(256)
     first = Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(), max_new_tokens=NEW)
     pre = first.model_prefill(params, prompts, PROMPT_LENS)
-    other = Decoder(
-        model, _cfg(model, hbm=0.25), PlacementConfig(policy="lru"), max_new_tokens=NEW
-    )
+    other = Decoder(model, _cfg(model, hbm=0.25), PlacementConfig(policy="lru"), max_new_tokens=NEW)
     state = other.generate(params, other.prefill(params, prompts, PROMPT_LENS, prefilled=pre))
     np.testing.assert_array_equal(np.asarray(state.tokens), all_hbm_tokens)
     with pytest.raises(ValueError, match=r"prefilled.lengths=\[45, 30\] differ from the prompt"):

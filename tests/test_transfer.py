@@ -1,6 +1,8 @@
 """jaxkv.transfer: bulk block reads and writes under every mechanism and memory kind, and the
 cache paths built on them (property tests: no block lost, duplicated or altered; kinds kept)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,6 +84,7 @@ def test_host_pool_over_the_gpu_limit_fails_before_allocating(monkeypatch):
         dtype="bfloat16",
         batch=8,
         hbm_capacity=0.25,
+        host_tier="exclusive",
     )  # 8 x 128k tokens, 75% on host: 96 GiB of K+V
     monkeypatch.delenv(kvc.GPU_HOST_LIMIT_VAR, raising=False)
     with pytest.raises(
@@ -90,6 +93,9 @@ def test_host_pool_over_the_gpu_limit_fails_before_allocating(monkeypatch):
         r"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
     ):
         kvc.check_host_pool(cfg, platform="gpu")
+    wt = dataclasses.replace(cfg, host_tier="write-through")  # every block on host: 128 GiB
+    with pytest.raises(ValueError, match=r"need 128\.0 GiB .* host_tier='exclusive'"):
+        kvc.check_host_pool(wt, platform="gpu")
     kvc.check_host_pool(cfg, platform="cpu")  # no such limit off GPU
     monkeypatch.setenv(kvc.GPU_HOST_LIMIT_VAR, "128")
     kvc.check_host_pool(cfg, platform="gpu")
@@ -116,8 +122,9 @@ _OPS = st.lists(
 )
 
 
-def _cfg(fetch, kind):
-    # 16 blocks per layer: 5 in HBM (2 of them tails), the host pool exactly the other 11
+def _cfg(fetch, kind, host_tier="write-through", fp8="off"):
+    # 16 blocks per layer: 5 in HBM (2 of them tails); the host pool holds every block
+    # (write-through) or exactly the other 11 (exclusive)
     return CacheConfig(
         num_layers=2,
         kv_heads=2,
@@ -128,6 +135,8 @@ def _cfg(fetch, kind):
         hbm_capacity=5,
         fetch=fetch,
         host_memory_kind=kind,
+        host_tier=host_tier,
+        fp8=fp8,
     )
 
 
@@ -162,13 +171,15 @@ def _ops(cfg):
 
 
 def _check_migration(was, now, target, moved, max_moves):
-    """The count is the blocks whose tier changed, each once; where the budget and HBM allow
-    (each promotion within max_moves, free slots plus demotable blocks enough), every sealed
-    block of the target ends in HBM."""
+    """The count is the blocks copied, each once: those whose tier changed (exclusive), the
+    promotions (write-through); where the budget and HBM allow (each promotion within
+    max_moves, free slots plus demotable blocks enough), every sealed block of the target ends
+    in HBM."""
     sealed = np.asarray(was.sealed).reshape(2, -1)
     before = np.asarray(was.in_hbm).reshape(2, -1)
     after = np.asarray(now.in_hbm).reshape(2, -1)
-    assert np.asarray(moved).tolist() == (before != after).sum(axis=1).tolist()
+    copied = (after & ~before) if was.config.write_through else (before != after)
+    assert np.asarray(moved).tolist() == copied.sum(axis=1).tolist()
     want = np.asarray(target) & sealed
     promote = (want & ~before).sum(axis=1)
     demotable = (before & ~want).sum(axis=1)
@@ -180,12 +191,14 @@ def _check_migration(was, now, target, moved, max_moves):
 
 
 @pytest.mark.parametrize(
-    "fetch,kind",
+    "fetch,kind,host_tier",
     [
-        ("xla", "pinned_host"),
-        ("pallas", "pinned_host"),
-        pytest.param("xla", "unpinned_host", marks=pytest.mark.slow),  # 10 s each: test-slow
-        pytest.param("auto", "device", marks=pytest.mark.slow),
+        ("xla", "pinned_host", "write-through"),
+        ("xla", "pinned_host", "exclusive"),
+        ("pallas", "pinned_host", "write-through"),
+        pytest.param("pallas", "pinned_host", "exclusive", marks=pytest.mark.slow),
+        pytest.param("xla", "unpinned_host", "write-through", marks=pytest.mark.slow),  # 10 s
+        pytest.param("auto", "device", "exclusive", marks=pytest.mark.slow),
     ],
 )
 @settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -196,11 +209,13 @@ def _check_migration(was, now, target, moved, max_moves):
 )
 @example(ops=[("migrate", 1), ("append", 3), ("migrate", 2)], lengths=(24, 22), budget=[1] * 16)
 @example(ops=[("migrate", 3), ("compact", 0), ("migrate", 5)], lengths=(20, 21), budget=[0, 1] * 8)
-def test_bulk_paths_keep_every_block(fetch, kind, ops, lengths, budget):
+def test_bulk_paths_keep_every_block(fetch, kind, host_tier, ops, lengths, budget):
     """Random appends, migrations (max_moves 0, 1 or 3; targets of every density) and
-    compactions, from prompts up to a full cache (a host pool exactly sized, often nearly full):
-    no block lost, duplicated or altered, the kinds kept, the counts and targets right."""
-    cfg = _cfg(fetch, kind)
+    compactions, from prompts up to a full cache (an exclusive host pool exactly sized, often
+    nearly full): no block lost, duplicated or altered, the kinds kept, the counts and targets
+    right; under write-through every sealed block has its host copy and every HBM copy is
+    bit-identical to it."""
+    cfg = _cfg(fetch, kind, host_tier)
     append, migrate, compact = _ops(cfg)
     k = jax.random.normal(jax.random.key(sum(lengths)), (2, 2, cfg.max_len, 2, 8))
     cache = kvc.prefill(kvc.TieredKVCache.create(cfg), k, k * 2, jnp.asarray(lengths))
@@ -223,12 +238,41 @@ def test_bulk_paths_keep_every_block(fetch, kind, ops, lengths, budget):
             _check_migration(was, cache, target, moved, budget[i])
         else:
             cache = compact(cache)
-        kvc.check_invariants(cache)
+        kvc.check_invariants(cache, contents=True)
         kinds = {x.sharding.memory_kind for x in (cache.host_k, cache.host_v)}
         assert kinds == {kind} and cache.hbm_k.sharding.memory_kind == "device"
         dk, dv = kvc.to_dense(cache)
         np.testing.assert_array_equal(dk, ref)
         np.testing.assert_array_equal(dv, ref * 2)
+
+
+@pytest.mark.parametrize("fp8", ["host", "age"])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=_OPS, lengths=st.tuples(st.integers(1, 24), st.integers(1, 24)))
+def test_write_through_fp8_copies_agree(fp8, ops, lengths):
+    """Under a write-through host tier with FP8 blocks every HBM copy is bit-identical to its
+    host copy (FP8 values and scales; under fp8="host" the dequantized copy), so migrations
+    and compactions never change what the cache holds."""
+    cfg = _cfg("xla", "pinned_host", "write-through", fp8=fp8)
+    append, migrate, compact = _ops(cfg)
+    k = jax.random.normal(jax.random.key(sum(lengths)), (2, 2, cfg.max_len, 2, 8))
+    cache = kvc.prefill(kvc.TieredKVCache.create(cfg), k, k * 2, jnp.asarray(lengths))
+    for i, (op, arg) in enumerate(ops):
+        dense = [np.asarray(x) for x in kvc.to_dense(cache)]
+        if op == "append":
+            active = jnp.array([bool(arg & 1), bool(arg & 2)])
+            if (np.asarray(cache.lengths) + np.asarray(active) > cfg.max_len).any():
+                continue
+            cache, _ = append(cache, jax.random.key(i), active)
+        else:
+            if op == "migrate":
+                target = jax.random.bernoulli(jax.random.key(arg), 0.5, (2, cfg.total_blocks))
+                cache, _ = migrate(cache, target, max_moves=3)
+            else:
+                cache = compact(cache)
+            for a, b in zip(kvc.to_dense(cache), dense, strict=True):
+                np.testing.assert_array_equal(np.asarray(a), b)
+        kvc.check_invariants(cache, contents=True)
 
 
 def test_first_kernel_trace_recompiles_nothing():
