@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.model_api import require_fields
 from jaxkv.quant import FP8, FP8_MODES, fp8_block_bytes
 
 TIER_HBM = 0  # memory kind "device"
@@ -170,6 +171,7 @@ class CacheConfig:
             `models.LlamaConfig`).
           **kwargs: the other CacheConfig fields (batch, max_len, block_size, capacities, ...).
         """
+        require_fields(model_config, ("num_layers", "num_kv_heads", "head_dim", "dtype"))
         geometry = dict(
             num_layers=model_config.num_layers,
             kv_heads=model_config.num_kv_heads,
