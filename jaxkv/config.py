@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,9 @@ import numpy as np
 
 from jaxkv.model_api import require_fields
 from jaxkv.quant import FP8, FP8_MODES, fp8_block_bytes
+
+if TYPE_CHECKING:  # jaxkv.policies imports this module
+    from jaxkv.policies import Policy
 
 TIER_HBM = 0  # memory kind "device"
 TIER_HOST = 1  # memory kind "pinned_host"
@@ -395,7 +398,9 @@ class PlacementConfig:
     Attributes:
       policy: policy name (a preset of `jaxkv.presets`), "anneal" with the modifiers
         +reuse, +follow, +aw, +ec (`jaxkv.presets.split_name`; the decode loop's best live
-        policy is "anneal+reuse+follow").
+        policy is "anneal+reuse+follow"), or a policy object (`jaxkv.policies.Policy`, e.g. a
+        composed `Anneal`: online, with its `window` equal to this window), checked by the
+        Decoder (`jaxkv.decode_setup.live_policy`).
       window: steps between plans (W); held in the decode state, so changing it never recompiles.
       adaptive_window: adapt W by +-window_step from the HBM hit rate, within
         [min_window, max_window].
@@ -406,7 +411,7 @@ class PlacementConfig:
       sink_blocks, recent_blocks: always read in sparse mode.
     """
 
-    policy: str = "static"
+    policy: str | Policy = "static"
     window: int = 50
     adaptive_window: bool = False
     min_window: int = 20

@@ -112,7 +112,9 @@ class Decoder:
         naming the missing piece).
       cache_config: cache geometry and capacities; its num_layers, kv_heads and head_dim must
         match the model.
-      placement: attention mode, window, policy name and migration budget. Names take the
+      placement: attention mode, window, policy and migration budget. The policy is a preset
+        name or a policy object (`jaxkv.policies.Policy`, e.g. a composed `Anneal`, online and
+        with `window` = placement.window). Names take the
         simulator's modifiers a live decode can honour (`jaxkv.presets`): "+reuse",
         "+follow", "+aw", "+ec" on "anneal" (`jaxkv.decode_setup.live_policy`). Under
         "+follow" the plan every `window` steps sets a target and each step's layers follow

@@ -1,7 +1,7 @@
 """What `jaxkv.decode.Decoder` settles on the host, before anything is traced: the checks of its
 arguments, of the prompts and of a state handed back to it, the model's static part and the
 weight bytes a decode step reads besides the KV cache (`split_model`), the cost model its plans
-are priced in, and the placement policy a live decode can run.
+are priced in, and the placement policy a live decode can run (a name or a policy object).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.cost import CostModel
 from jaxkv.decode_state import DecodeState, Prefilled
 from jaxkv.model_api import FunctionalModel
-from jaxkv.presets import BASES, Settings, resolve, split_name
+from jaxkv.presets import BASES, Settings, check_policy, resolve, split_name
 from jaxkv.pricing import AdaptiveWindow
 
 
@@ -85,7 +85,10 @@ def live_policy(p: PlacementConfig, env: CostModel, overrides: dict):
     migration budget. Names take the modifiers a live decode can honour: "anneal+reuse",
     "anneal+reuse+follow", "+aw", "+ec". The adaptive window is one controller
     (`jaxkv.pricing.adapt_window`): the anneal policy's own (as in the simulator), with the
-    bounds of `p`, for anneal names; the decode loop's for the others."""
+    bounds of `p`, for anneal names; the decode loop's for the others. A policy object is
+    used as it is (`live_policy_object`)."""
+    if not isinstance(p.policy, str):
+        return live_policy_object(p, overrides)
     base, mods = split_name(p.policy)
     if "now" in mods:
         raise ValueError(
@@ -112,6 +115,35 @@ def live_policy(p: PlacementConfig, env: CostModel, overrides: dict):
         adaptive = dict(min_window=bounds.low, max_window=bounds.high, window_step=bounds.step)
         overrides = dict(adaptive=True, **adaptive, **overrides)
     return resolve(p.policy, env, settings, **overrides)
+
+
+def live_policy_object(p: PlacementConfig, overrides: dict):
+    """`p.policy`, a policy object (`jaxkv.policies.Policy`), checked for a live decode: it
+    needs no future reads, takes no knob overrides (they are set on the object), and a
+    lookahead `window` of its own equals `p.window`, the steps between the loop's plans (a
+    preset name gets both from `p.window`). ValueError / TypeError naming what differs."""
+    pol = check_policy(p.policy, "PlacementConfig.policy")
+    label = f"PlacementConfig.policy {pol.name!r} ({type(pol).__name__})"
+    if pol.needs_forecast or pol.needs_values:
+        what = "the true future reads" if pol.needs_forecast else "the LP dual's values"
+        raise ValueError(
+            f"{label} plans from {what}, which a live decode does not have; use it in "
+            "jaxkv.sim.simulate, or an online policy here (e.g. policies.Anneal with the "
+            "EMA or Reuse forecast, and Follow in place of Now)"
+        )
+    if overrides:
+        raise ValueError(
+            f"policy_kwargs {sorted(overrides)} set knobs of a preset name; {label} is an "
+            "object: set them on it (dataclasses.replace(policy, ...))"
+        )
+    window = getattr(pol, "window", None)
+    if isinstance(window, int) and window != p.window:
+        raise ValueError(
+            f"{label} looks window={window} steps ahead but PlacementConfig(window={p.window}) "
+            f"plans every {p.window} steps: expected the same W, e.g. "
+            f"PlacementConfig(policy=..., window={window})"
+        )
+    return pol
 
 
 def best_seconds(fn, arg, repeats: int) -> float:
