@@ -378,3 +378,11 @@ def test_not_a_state_is_named(decoded):
     dec, _, _ = decoded
     with pytest.raises(ValueError, match="Decoder.score: expected a DecodeState .* got a dict"):
         dec.score(PARAMS, {}, jnp.zeros((2, 1), jnp.int32))
+
+
+def test_the_mesh_decoder_names_a_model_it_cannot_split():
+    from jaxkv import sharded
+
+    msg = "ShardedDecoder: model is a FunctionalModel: expected a models.Llama"
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        sharded.ShardedDecoder(MODEL, _cache(0.25), PlacementConfig(), mesh=sharded.make_mesh(1, 1))
