@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +18,6 @@ import numpy as np
 
 from jaxkv.model_api import require_fields
 from jaxkv.quant import FP8, FP8_MODES, fp8_block_bytes
-
-if TYPE_CHECKING:  # jaxkv.policies imports this module
-    from jaxkv.policies import Policy
 
 TIER_HBM = 0  # memory kind "device"
 TIER_HOST = 1  # memory kind "pinned_host"
@@ -411,7 +408,7 @@ class PlacementConfig:
       sink_blocks, recent_blocks: always read in sparse mode.
     """
 
-    policy: str | Policy = "static"
+    policy: Any = "static"  # a preset name or a jaxkv.policies.Policy (which imports this module)
     window: int = 50
     adaptive_window: bool = False
     min_window: int = 20
