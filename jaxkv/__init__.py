@@ -17,6 +17,8 @@ The runtime (what a model imports; it never imports `jaxkv.sim`, scipy or optax)
   policies      the Policy protocol, Static, Reactive, Anneal (composed from the parts), Follow
   presets       every policy name, resolved in one place
   decode        the functional decode loop
+  model_api     what the decode loop uses of a model (the Model protocol), FunctionalModel
+                for models written as plain JAX functions over a params pytree
   sharded       the cache and decode loop on a ("data", "model") mesh, one process or many
   gpu_compile   compiling for a GPU on a machine without one (gpu_analysis: reading its HLO)
   cli           the `jaxkv` command
@@ -24,4 +26,7 @@ The research side, `jaxkv.sim`: traces, the replay simulator, the bounds and the
 oracle policies, the learned forecaster (see its docstring).
 """
 
+from jaxkv.model_api import FunctionalModel
+
+__all__ = ["FunctionalModel"]
 __version__ = "0.1.0"

@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.model_api import require_fields
 from jaxkv.quant import FP8, FP8_MODES, fp8_block_bytes
 
 TIER_HBM = 0  # memory kind "device"
@@ -191,6 +192,7 @@ class CacheConfig:
             `models.LlamaConfig`).
           **kwargs: the other CacheConfig fields (batch, max_len, block_size, capacities, ...).
         """
+        require_fields(model_config, ("num_layers", "num_kv_heads", "head_dim", "dtype"))
         geometry = dict(
             num_layers=model_config.num_layers,
             kv_heads=model_config.num_kv_heads,
@@ -421,7 +423,9 @@ class PlacementConfig:
     Attributes:
       policy: policy name (a preset of `jaxkv.presets`), "anneal" with the modifiers
         +reuse, +follow, +aw, +ec (`jaxkv.presets.split_name`; the decode loop's best live
-        policy is "anneal+reuse+follow").
+        policy is "anneal+reuse+follow"), or a policy object (`jaxkv.policies.Policy`, e.g. a
+        composed `Anneal`: online, with its `window` equal to this window), checked by the
+        Decoder (`jaxkv.decode_setup.live_policy`).
       window: steps between plans (W); held in the decode state, so changing it never recompiles.
       adaptive_window: adapt W by +-window_step from the HBM hit rate, within
         [min_window, max_window].
@@ -432,7 +436,7 @@ class PlacementConfig:
       sink_blocks, recent_blocks: always read in sparse mode.
     """
 
-    policy: str = "static"
+    policy: Any = "static"  # a preset name or a jaxkv.policies.Policy (which imports this module)
     window: int = 50
     adaptive_window: bool = False
     min_window: int = 20

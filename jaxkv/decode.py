@@ -9,9 +9,11 @@ recompiles) the policy plans from the per-block read statistics, between steps a
 layers at once. `step` and `generate` (a `lax.while_loop` that stops at a step limit, when every
 sequence has finished, or when a cache is full) pick one of the two on the device at each step.
 
-The model's layers run under one `lax.scan` (`models.llama.Llama.decode_step`): one layer body
-is traced and compiled, whatever the depth, and the layer index is traced through the token
-write, the block selection, the host read and the attention.
+The model is an NNX module or plain JAX functions (`jaxkv.FunctionalModel`); what the loop
+uses of it is written down and checked in `jaxkv.model_api`. Its layers may run under one
+`lax.scan` (`models.llama.Llama.decode_step`): one layer body is traced and compiled, whatever
+the depth, and the layer index is traced through the token write, the block selection, the
+host read and the attention.
 
 What a plan does depends on the policy. Most (static, lru, anneal, anneal+reuse) return a
 target placement that `plan_moves` bounds to a migration budget and the cache migrates to in
@@ -39,8 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import time
 from typing import Any
 
 import jax
@@ -55,13 +55,17 @@ from jaxkv.cost import layer_step_time
 from jaxkv.decode_follow import apply_follow_moves, empty_follow_moves, follow_layer
 from jaxkv.decode_observation import layer_windows, observation, placeable
 from jaxkv.decode_setup import (
+    abstract_state,
+    best_seconds,
     check_decoder_args,
     check_prefilled,
     check_prompts,
-    layer_weight_bytes,
+    check_state,
     live_policy,
     model_weight_bytes,
     plan_env,
+    split_model,
+    state_with_window,
 )
 from jaxkv.decode_state import (
     DecodeState,
@@ -77,6 +81,7 @@ from jaxkv.decode_state import (
     record_step,
     summarize,
 )
+from jaxkv.model_api import bind, check_model
 from jaxkv.pricing import adapt_window
 from jaxkv.sampling import Greedy, Sampling, eos_ids, is_eos
 
@@ -98,12 +103,19 @@ class Decoder:
     """Compiled decoding of one model over a TieredKVCache. Frozen: attributes are static
     configuration and the jitted functions; all state is the explicit `DecodeState`.
 
+    `step`, `generate` and `score` donate the state they are given: use the one they return
+    (the old one's arrays are deleted, and passing it again raises ValueError).
+
     Args:
-      model: a `models.Llama` (or any nnx.Module with `prefill` and `decode_step` as Llama's,
-        whose `attend` callback receives a traced layer index).
+      model: a `models.Llama`, any nnx.Module with Llama's `config`, `prefill` and
+        `decode_step`, or a `jaxkv.FunctionalModel` (plain JAX functions over a params
+        pytree): the interface is `jaxkv.model_api`'s, checked here (TypeError / ValueError
+        naming the missing piece).
       cache_config: cache geometry and capacities; its num_layers, kv_heads and head_dim must
         match the model.
-      placement: attention mode, window, policy name and migration budget. Names take the
+      placement: attention mode, window, policy and migration budget. The policy is a preset
+        name or a policy object (`jaxkv.policies.Policy`, e.g. a composed `Anneal`, online and
+        with `window` = placement.window). Names take the
         simulator's modifiers a live decode can honour (`jaxkv.presets`): "+reuse",
         "+follow", "+aw", "+ec" on "anneal" (`jaxkv.decode_setup.live_policy`). Under
         "+follow" the plan every `window` steps sets a target and each step's layers follow
@@ -121,7 +133,7 @@ class Decoder:
     """
 
     _FIELDS = (
-        "graphdef",
+        "graphdef",  # the nnx GraphDef, or the FunctionalModel
         "model_config",
         "cache_config",
         "placement",
@@ -150,13 +162,10 @@ class Decoder:
         ema_decay: float = 0.9,
         policy_kwargs: dict | None = None,
     ):
-        mc = model.config
+        mc = check_model(model)
         check_decoder_args(mc, cache_config, max_new_tokens)
-        from flax import nnx  # the model brings flax; the decode loop itself does not need it
-
-        graphdef, params = nnx.split(model)
+        graphdef, weight_bytes = split_model(model, mc.num_layers)
         profile = HardwareProfile.preset(profile) if isinstance(profile, str) else profile
-        weight_bytes = layer_weight_bytes(params, mc.num_layers)
         values = dict(
             graphdef=graphdef,
             model_config=mc,
@@ -172,7 +181,7 @@ class Decoder:
             env=plan_env(profile, cache_config, weight_bytes),
         )
         values["policy"] = live_policy(placement, values["env"], policy_kwargs or {})
-        for k, v in values.items():
+        for k, v in dict(values, _memo={}).items():
             object.__setattr__(self, k, v)
         for k, v in self._jitted().items():
             object.__setattr__(self, k, v)
@@ -244,7 +253,7 @@ class Decoder:
         """Runs the prompts through the model, fills the cache and samples the first token.
 
         Args:
-          params: the model's state (`nnx.split(model)[1]`).
+          params: the model's state (`nnx.split(model)[1]`; a FunctionalModel's params pytree).
           prompts: [batch, T] int32 token ids (right-padded when lengths differ).
           lengths: [batch] prompt lengths (default: all T).
           key: PRNG key for sampling (default: key 0).
@@ -277,6 +286,7 @@ class Decoder:
         Raises ValueError once the state holds max_new_tokens tokens (it reads the state's
         step counter, which waits for the previous step; `decode_step` / `window_step` are
         the unchecked jits, where a step past the end leaves every sequence as it is)."""
+        self._check_state(state, "Decoder.step")
         done = int(state.sampling.step)
         if done >= self.max_new_tokens - 1:
             raise ValueError(
@@ -287,7 +297,9 @@ class Decoder:
 
     def generate(self, params, state: DecodeState, until: int | None = None) -> DecodeState:
         """Decodes until `until` steps (default: max_new_tokens - 1), EOS everywhere, or a full
-        cache. `until` is a traced value: calling in chunks does not recompile."""
+        cache. `until` is a traced value: calling in chunks does not recompile. The state is
+        donated: use the one returned."""
+        self._check_state(state, "Decoder.generate")
         until = self.max_new_tokens - 1 if until is None else min(until, self.max_new_tokens - 1)
         return self._generate(params, state, jnp.int32(until))
 
@@ -297,6 +309,7 @@ class Decoder:
         migrations, metrics). Returns (state, logits [n, batch, vocab] f32), the logits after
         each fed token: with prompts x[:P] prefilled and tokens x[P:P+n], logits[i] predicts
         x[P+i+1] (bench/fp8_quality.py compares them across cache settings)."""
+        self._check_state(state, "Decoder.score")
         tokens = jnp.asarray(tokens, jnp.int32)
         B, n = self.cache_config.batch, int(state.sampling.step)
         if tokens.ndim != 2 or tokens.shape[0] != B:
@@ -310,41 +323,30 @@ class Decoder:
 
     def with_window(self, state: DecodeState, window: int) -> DecodeState:
         """Returns the state with a new window W (no recompilation)."""
-        if not isinstance(window, int | np.integer) or window < 1:
-            raise ValueError(f"window must be an int >= 1, got {window!r}")
-        pl = state.placement
-        # same placement as the old value: an uncommitted scalar would change the jit cache key
-        w = jax.device_put(jnp.int32(window), pl.window.sharding)
-        policy = pl.policy
-        if dataclasses.is_dataclass(policy) and "window" in {
-            f.name for f in dataclasses.fields(policy)
-        }:  # the anneal policy's own W, its energy's window (`Anneal.plan`): its own buffer,
-            # since the state is donated
-            w_policy = jax.device_put(jnp.int32(window), policy.window.sharding)
-            policy = replace(policy, window=w_policy)
-        return replace(state, placement=replace(pl, window=w, policy=policy))
+        self._check_state(state, "Decoder.with_window")
+        return state_with_window(state, window)
 
     def plan_seconds(self, params, state: DecodeState, repeats: int = 3) -> float:
         """Wall seconds of one plan (observe -> policy.plan, all layers) on the present device,
         compiled and warmed first, best of `repeats`; 0.0 for a policy that never plans
         (static). `state` is not consumed."""
         del params
+        self._check_state(state, "Decoder.plan_seconds")
         if not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-        if self.policy.name == "static":
-            return 0.0
-        jax.block_until_ready(self._plan(state))
-        best = math.inf
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(self._plan(state))
-            best = min(best, time.perf_counter() - t0)
-        return best
+        return 0.0 if self.policy.name == "static" else best_seconds(self._plan, state, repeats)
+
+    def _check_state(self, state, where: str) -> None:
+        """ValueError unless `state` is a live state of this Decoder (`check_state`)."""
+        c, vocab = self.cache_config, self.model_config.vocab_size
+        if "state" not in self._memo:  # the shapes of this Decoder's states, traced once
+            self._memo["state"] = abstract_state(self._start_impl, c, vocab)
+        check_state(state, self._memo["state"], c, where)
 
     # ---- implementation -----------------------------------------------------------------------
 
     def _model_prefill_impl(self, params, prompts, lengths) -> Prefilled:
-        logits, k, v = _merge(self.graphdef, params).prefill(prompts)
+        logits, k, v = bind(self.graphdef, params).prefill(prompts)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
         return Prefilled(last_logits=last, k=k, v=v, lengths=lengths)
 
@@ -425,7 +427,7 @@ class Decoder:
           (logits, cache, (read_hbm, read_host, mass) [layers, batch, max_blocks],
            the layers' `FollowMoves`, () without follow)."""
         c, p = self.cache_config, self.placement
-        model = _merge(self.graphdef, params)
+        model = bind(self.graphdef, params)
         attn_len = state.cache.lengths + active.astype(jnp.int32)
         scale = 1.0 / float(np.sqrt(self.model_config.head_dim))
         L, B, M = c.num_layers, c.batch, c.max_blocks
@@ -585,10 +587,3 @@ class Decoder:
 def _window_due(state: DecodeState):
     """[] bool: this step ends the window."""
     return state.placement.since_plan + 1 >= state.placement.window
-
-
-def _merge(graphdef, params):
-    """The nnx model from its graph and state (flax imported here, where a model exists)."""
-    from flax import nnx
-
-    return nnx.merge(graphdef, params)

@@ -1,17 +1,25 @@
 """What `jaxkv.decode.Decoder` settles on the host, before anything is traced: the checks of its
-arguments and of the prompts, the weight bytes a decode step reads besides the KV cache, the
-cost model its plans are priced in, and the placement policy a live decode can run.
+arguments, of the prompts and of a state handed back to it, the model's static part and the
+weight bytes a decode step reads besides the KV cache (`split_model`), the cost model its plans
+are priced in, and the placement policy a live decode can run (a name or a policy object).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv._pytree import replace
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.cost import CostModel
-from jaxkv.presets import BASES, Settings, resolve, split_name
+from jaxkv.decode_state import DecodeState, Prefilled
+from jaxkv.model_api import FunctionalModel
+from jaxkv.presets import BASES, Settings, check_policy, resolve, split_name
 from jaxkv.pricing import AdaptiveWindow
 
 
@@ -27,6 +35,17 @@ def check_decoder_args(model_config, cache_config: CacheConfig, max_new_tokens) 
         )
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+
+
+def split_model(model, num_layers: int):
+    """(what the Decoder keeps of `model`: the nnx GraphDef or the `FunctionalModel` itself,
+    the weight bytes a decode step reads per layer: `layer_weight_bytes`)."""
+    if isinstance(model, FunctionalModel):
+        return model, model.weight_bytes / num_layers
+    from flax import nnx  # an nnx model brings flax; the decode loop itself does not need it
+
+    graphdef, params = nnx.split(model)
+    return graphdef, layer_weight_bytes(params, num_layers)
 
 
 def model_weight_bytes(params) -> float:
@@ -67,7 +86,10 @@ def live_policy(p: PlacementConfig, env: CostModel, overrides: dict):
     migration budget. Names take the modifiers a live decode can honour: "anneal+reuse",
     "anneal+reuse+follow", "+aw", "+ec". The adaptive window is one controller
     (`jaxkv.pricing.adapt_window`): the anneal policy's own (as in the simulator), with the
-    bounds of `p`, for anneal names; the decode loop's for the others."""
+    bounds of `p`, for anneal names; the decode loop's for the others. A policy object is
+    used as it is (`live_policy_object`)."""
+    if not isinstance(p.policy, str):
+        return live_policy_object(p, overrides)
     base, mods = split_name(p.policy)
     if "now" in mods:
         raise ValueError(
@@ -94,6 +116,130 @@ def live_policy(p: PlacementConfig, env: CostModel, overrides: dict):
         adaptive = dict(min_window=bounds.low, max_window=bounds.high, window_step=bounds.step)
         overrides = dict(adaptive=True, **adaptive, **overrides)
     return resolve(p.policy, env, settings, **overrides)
+
+
+def live_policy_object(p: PlacementConfig, overrides: dict):
+    """`p.policy`, a policy object (`jaxkv.policies.Policy`), checked for a live decode: it
+    needs no future reads, takes no knob overrides (they are set on the object), and a
+    lookahead `window` of its own equals `p.window`, the steps between the loop's plans (a
+    preset name gets both from `p.window`). ValueError / TypeError naming what differs."""
+    pol = check_policy(p.policy, "PlacementConfig.policy")
+    label = f"PlacementConfig.policy {pol.name!r} ({type(pol).__name__})"
+    if pol.needs_forecast or pol.needs_values:
+        what = "the true future reads" if pol.needs_forecast else "the LP dual's values"
+        raise ValueError(
+            f"{label} plans from {what}, which a live decode does not have; use it in "
+            "jaxkv.sim.simulate, or an online policy here (e.g. policies.Anneal with the "
+            "EMA or Reuse forecast, and Follow in place of Now)"
+        )
+    if overrides:
+        raise ValueError(
+            f"policy_kwargs {sorted(overrides)} set knobs of a preset name; {label} is an "
+            "object: set them on it (dataclasses.replace(policy, ...))"
+        )
+    window = getattr(pol, "window", None)
+    if isinstance(window, int) and window != p.window:
+        raise ValueError(
+            f"{label} looks window={window} steps ahead but PlacementConfig(window={p.window}) "
+            f"plans every {p.window} steps: expected the same W, e.g. "
+            f"PlacementConfig(policy=..., window={window})"
+        )
+    return pol
+
+
+def best_seconds(fn, arg, repeats: int) -> float:
+    """Wall seconds of `fn(arg)` on the present device, compiled and warmed first, best of
+    `repeats`."""
+    jax.block_until_ready(fn(arg))
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(arg))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def abstract_state(start, cache_config: CacheConfig, vocab_size: int):
+    """The shapes and dtypes of a Decoder's states: `jax.eval_shape` of its `start`
+    (`Decoder._start_impl`, a `Prefilled` and a key -> DecodeState)."""
+    c = cache_config
+    kv = jax.ShapeDtypeStruct((c.num_layers, c.batch, 1, c.kv_heads, c.head_dim), c.jnp_dtype)
+    pre = Prefilled(
+        last_logits=jax.ShapeDtypeStruct((c.batch, vocab_size), jnp.float32),
+        k=kv,
+        v=kv,
+        lengths=jax.ShapeDtypeStruct((c.batch,), jnp.int32),
+    )
+    return jax.eval_shape(start, pre, jax.random.key(0))
+
+
+def check_state(state, expected, cache_config: CacheConfig, where: str) -> None:
+    """ValueError unless `state` is a live `DecodeState` of the Decoder whose cache is
+    `cache_config` and whose abstract state is `expected` (`jax.eval_shape` of its start): not
+    donated to an earlier call, with the same cache config, and of the same structure, shapes
+    and dtypes (another Decoder's state differs in its geometry, policy, sampler or
+    max_new_tokens). `where` names the entry point."""
+    if not isinstance(state, DecodeState):
+        raise ValueError(
+            f"{where}: expected a DecodeState (this Decoder's prefill returns one), got a "
+            f"{type(state).__name__}"
+        )
+    leaves, tree = jax.tree_util.tree_flatten(state)  # paths only for a message: they cost
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+        raise ValueError(
+            f"{where}: the state was donated to an earlier step, generate or score call (they "
+            "consume their state, whose arrays are deleted): pass the state that call returned"
+        )
+    have_config = state.cache.config
+    if have_config != cache_config:
+        diff = [
+            f"{f.name}={getattr(have_config, f.name)!r} (this Decoder's: "
+            f"{getattr(cache_config, f.name)!r})"
+            for f in dataclasses.fields(CacheConfig)
+            if getattr(have_config, f.name) != getattr(cache_config, f.name)
+        ]
+        raise ValueError(
+            f"{where}: the state comes from another Decoder, whose cache config has "
+            f"{', '.join(diff)}: expected a state of this Decoder's prefill"
+        )
+    want, want_tree = jax.tree_util.tree_flatten(expected)
+    same = tree == want_tree and all(
+        np.shape(x) == y.shape and getattr(x, "dtype", None) == y.dtype
+        for x, y in zip(leaves, want, strict=True)
+    )
+    if same:
+        return
+    leaves, want = (jax.tree_util.tree_flatten_with_path(t)[0] for t in (state, expected))
+    if [p for p, _ in leaves] == [p for p, _ in want]:
+        for (path, x), (_, y) in zip(leaves, want, strict=True):
+            have = (tuple(np.shape(x)), getattr(x, "dtype", type(x).__name__))
+            if have != (y.shape, y.dtype):
+                raise ValueError(
+                    f"{where}: state{jax.tree_util.keystr(path)} has shape {have[0]} and dtype "
+                    f"{have[1]}, this Decoder's {y.shape} and {y.dtype}: the state comes from "
+                    "another Decoder (another max_new_tokens, policy or sampler)"
+                )
+    raise ValueError(
+        f"{where}: the state's structure differs from this Decoder's (another policy or "
+        "sampler): expected a state of this Decoder's prefill"
+    )
+
+
+def state_with_window(state, window: int):
+    """`state` (a `DecodeState`) with a new window W: the loop's and, for a policy with a
+    `window` of its own (an anneal policy: its energy's window, `Anneal.plan`), the policy
+    state's, each a new buffer (the state is donated) placed as the old value (an uncommitted
+    scalar would change the jit cache key). ValueError unless W is an int >= 1."""
+    if not isinstance(window, int | np.integer) or window < 1:
+        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    pl = state.placement
+    w = jax.device_put(jnp.int32(window), pl.window.sharding)
+    policy = pl.policy
+    if dataclasses.is_dataclass(policy) and "window" in {
+        f.name for f in dataclasses.fields(policy)
+    }:
+        policy = replace(policy, window=jax.device_put(jnp.int32(window), policy.window.sharding))
+    return replace(state, placement=replace(pl, window=w, policy=policy))
 
 
 def check_prompts(prompts, lengths, cache_config: CacheConfig, vocab_size: int):

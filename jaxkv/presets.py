@@ -177,6 +177,45 @@ def split_name(name: str) -> tuple[str, tuple[str, ...]]:
     return base, tuple(mods)
 
 
+POLICY_ATTRIBUTES = (
+    "name",
+    "horizon",
+    "needs_forecast",
+    "needs_values",
+    "follow",
+    "budget",
+    "adapts_window",
+)
+POLICY_METHODS = ("init", "plan", "next_window")
+
+
+def check_policy(policy, label: str = "policy") -> Policy:
+    """Returns `policy`, a policy object given where a preset name is accepted, after checking
+    it has what the decode loop and the simulator use (`jaxkv.policies.Policy`: its
+    attributes and methods, `name` a non-empty string) and is hashable (they compile for it).
+    TypeError naming `label`, the object's type and what it lacks."""
+    kind = type(policy).__name__
+    what = f"{label}: {'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind}"
+    lacks = [a for a in POLICY_ATTRIBUTES if not hasattr(policy, a)]
+    lacks += [m for m in POLICY_METHODS if not callable(getattr(policy, m, None))]
+    if lacks:
+        raise TypeError(
+            f"{what} is neither a policy name nor a policy: it lacks {', '.join(lacks)}; "
+            "expected a preset name (jaxkv.presets) or a jaxkv.policies.Policy, e.g. "
+            "policies.Anneal(...)"
+        )
+    if not isinstance(policy.name, str) or not policy.name:
+        raise TypeError(f"{what} has name={policy.name!r}: expected a non-empty string")
+    try:
+        hash(policy)
+    except TypeError:
+        raise TypeError(
+            f"{what} (policy {policy.name!r}) is not hashable: the decode loop and the "
+            "simulator compile for it; expected a frozen dataclass, as jaxkv.policies' own"
+        ) from None
+    return policy
+
+
 def is_online(name: str) -> bool:
     """The policy can run in a live decode (it needs no future reads); validates the name."""
     base, mods = split_name(name)

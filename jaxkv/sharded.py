@@ -214,8 +214,13 @@ class ShardedDecoder:
     ):
         from flax import nnx
 
-        from models.llama import Llama
+        from models.llama import Llama, LlamaConfig
 
+        if not isinstance(getattr(model, "config", None), LlamaConfig):
+            raise TypeError(
+                f"ShardedDecoder: model is a {type(model).__name__}: expected a models.Llama "
+                "(the mesh splits Llama's weights); other models run on one device (Decoder)"
+            )
         if not isinstance(mesh, Mesh) or set(mesh.axis_names) != {DATA, MODEL}:
             raise ValueError(f"mesh must be a Mesh with axes {(DATA, MODEL)}, got {mesh!r}")
         if not isinstance(stagger, int) or isinstance(stagger, bool) or stagger < 0:

@@ -11,6 +11,10 @@ BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 def test_readme_has_its_examples():
     assert any("Decoder(" in b for b in BLOCKS) and any("presets.resolve" in b for b in BLOCKS)
+    # bring your own model: in plain JAX, no flax, decoded against the all-HBM tokens
+    assert any("FunctionalModel(" in b and "flax" not in b and "assert" in b for b in BLOCKS)
+    # a composed policy object in the simulator and in the decode loop
+    assert any("simulate(" in b and "PlacementConfig(policy=mine" in b for b in BLOCKS)
 
 
 @pytest.mark.parametrize("i", range(len(BLOCKS)))

@@ -10,7 +10,7 @@ from jaxkv.presets import NOW_SPREAD, NOW_WINDOW, split_policies
 from jaxkv.quant import FP8_MODES
 from jaxkv.sim import sizing
 from jaxkv.sim import trace as tr
-from jaxkv.sim.checks import ARG_BOUNDS, check_args, check_policies
+from jaxkv.sim.checks import ARG_BOUNDS, check_args, check_policies, load_policy
 from jaxkv.sim.simulate import DUAL_WINDOW, FOLLOW_WINDOW, simulate
 from jaxkv.sim.sizing import DEFAULT_GEOMETRY  # a trace without its own: the paper's regime
 
@@ -318,7 +318,13 @@ def add_cli(sub) -> None:
         help="a .npz path or synthetic:recency-low|recency-high|patterns|real-like",
     )
     p.add_argument("--sparsity", type=float, default=0.6)
-    p.add_argument("--policies", default="static,lru,page,paper-sa,anneal,anneal-oracle,unlimited")
+    p.add_argument(
+        "--policies",
+        default="static,lru,page,paper-sa,anneal,anneal-oracle,unlimited",
+        help="comma-separated preset names (jaxkv.presets), or module:attribute (or "
+        "file.py:attribute) naming a policy object, e.g. a composed policies.Anneal, imported "
+        "from the working directory and reported under its name",
+    )
     p.add_argument("--block-size", type=int, default=None)
     # a recorded trace that stores its model's geometry is costed in it; any other in the
     # paper's regime: its MHA geometry (16 KiB per token-layer) under the 24 GB budget leaves
@@ -333,8 +339,9 @@ def add_cli(sub) -> None:
 
 def check_cli_args(args) -> list[str]:
     """Checks every option of `jaxkv simulate` before a trace is read, fills in a synthetic
-    trace's default sizes, and returns the policy names. ValueError names the option, its value
-    and what was expected."""
+    trace's default sizes, and returns the policies: names, and the policy objects that items
+    written module:attribute name (`load_policy`). ValueError names the option, its value and
+    what was expected."""
     sizes = {"prompt_len": args.prompt_len, "steps": args.steps, "layers": args.layers}
     sizes["block_size"] = args.block_size
     if args.trace.startswith("synthetic:"):
@@ -368,8 +375,9 @@ def check_cli_args(args) -> list[str]:
             f"--policies={args.policies!r}: expected comma-separated policy names, e.g. "
             "static,lru,anneal,unlimited"
         )
-    check_policies(names, "--policies")
-    return names
+    policies = [load_policy(n) if ":" in n else n for n in names]
+    check_policies(policies, "--policies")
+    return policies
 
 
 def _main(args) -> int:

@@ -22,7 +22,8 @@ The loop runs chunk by chunk (tqdm bar); each chunk is one jit-compiled `lax.sca
 policy, planning inside it with `lax.cond`; the reads of a chunk are computed once and shared.
 
 Policy names: the presets of `jaxkv.presets` (a base with modifiers), built by `make_policy` in
-the simulator's cost model. `anneal` / `anneal-oracle` take `+aw` (adaptive window,
+the simulator's cost model (a policy object, e.g. a composed `Anneal`, runs as it is: `simulate`'s
+`policies`). `anneal` / `anneal-oracle` take `+aw` (adaptive window,
 `jaxkv.pricing.AdaptiveWindow`) and `+ec` (forecast-error compensation, `Compensate`), e.g.
 `anneal+aw+ec`; `anneal` also takes `+reuse` (the re-read law learned online as its forecast,
 `jaxkv.forecasts.Reuse`, with the reads it cannot place charged to the link:
@@ -69,6 +70,7 @@ command line (`jaxkv simulate`) is in `jaxkv.sim.cli`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -77,6 +79,7 @@ import numpy as np
 
 from jaxkv import cost, presets
 from jaxkv.config import AnnealConfig, HardwareProfile
+from jaxkv.policies import Anneal
 from jaxkv.presets import NOW_SPREAD, NOW_WINDOW
 from jaxkv.pricing import Ride
 from jaxkv.quant import FP8_MODES, fp8_block_bytes
@@ -124,19 +127,17 @@ def make_policy(name: str, setup: Setup, settings=None, *, anneal_config=None, *
     return presets.resolve(name, setup.env, settings or presets.Settings(), **overrides)
 
 
-def _expand(names, grid):
-    """The policies to replay: `paper-sa` as every pair of `grid`, without `unlimited`."""
-    out = []
-    for n in names:
-        if n == "paper-sa":
-            out += [
-                f"paper-sa[{w},{r}]"
-                for w in grid[0]
-                for r in grid[1]
-                if f"paper-sa[{w},{r}]" not in out
-            ]
-        elif n != "unlimited" and n not in out:
-            out.append(n)
+def _expand(entries: dict, grid) -> dict:
+    """The policies to replay, {label: name or policy}: `paper-sa` as every pair of `grid`,
+    without `unlimited`."""
+    out = {}
+    for label, spec in entries.items():
+        if spec == "paper-sa":
+            for w in grid[0]:
+                for r in grid[1]:
+                    out.setdefault(f"paper-sa[{w},{r}]", f"paper-sa[{w},{r}]")
+        elif spec != "unlimited" and label not in out:
+            out[label] = spec
     return out
 
 
@@ -219,7 +220,11 @@ def simulate(
 
     Args:
       trace: a FileTrace or SyntheticTrace (`jaxkv.sim.trace`).
-      policies: names (see the module docstring).
+      policies: a list of preset names (see the module docstring) and policy objects
+        (`jaxkv.policies.Policy`, e.g. a composed `policies.Anneal`, reported under its
+        `name`), or a dict {label: name or policy}, e.g. {"w8": "anneal", "w16": "anneal"}
+        with policy_kwargs per label: two variants of one preset in one run. A policy
+        object is run as it is: the settings below (window, ...) shape the named presets only.
       profile: the tiers' bandwidths.
       sparsity: s in [0, 1).
       geometry: the model the trace is costed as (`jaxkv.sim.sizing.resolve_geometry`): None
@@ -272,9 +277,9 @@ def simulate(
       time_plans: measure one compiled plan per policy (plan_seconds; 0 when False).
       cache_bound_max_bytes: the cache bound keeps every step's reads bit-packed (steps x
         layers x N / 8 bytes); above this it is skipped (cache_s and best_s None).
-      policy_kwargs: {name: {knob: value}}, knobs of an anneal policy (`jaxkv.presets.KNOBS`,
-        e.g. budget, error_threshold, min_window) set for that name after everything above (a
-        sweep over one policy's knobs); only for anneal names.
+      policy_kwargs: {label: {knob: value}}, knobs of an anneal preset (`jaxkv.presets.KNOBS`,
+        e.g. budget, error_threshold, min_window) set for that label after everything above (a
+        sweep over one policy's knobs); only for labels of anneal preset names.
     Returns:
       {"policies": {name: {latency_s, tokens_per_s, speedup_vs_static, vs_unlimited,
         hbm_hit_rate, migrated_bytes, plan_seconds, ...}}, "bounds": {...}, "setup": {...,
@@ -289,7 +294,8 @@ def simulate(
       the reads and Belady).
     Raises:
       ValueError, before any work: an argument outside ARG_BOUNDS, a bad policy name
-      (`check_policies`), or arrays that cannot fit in the device's memory (`check_memory`).
+      (`check_policies`; TypeError for an object that is not a policy), or arrays that cannot
+      fit in the device's memory (`check_memory`).
     """
     numbers = dict(
         sparsity=sparsity,
@@ -313,7 +319,7 @@ def simulate(
         steps=steps,
         seed=seed,
     )
-    _check_arguments(numbers, policies, policy_kwargs, follow_admit)
+    entries = _check_arguments(numbers, policies, policy_kwargs, follow_admit)
     if fp8 not in FP8_MODES:
         raise ValueError(f"fp8={fp8!r}: expected one of {FP8_MODES}")
     geometry, source = sizing.resolve_geometry(trace, geometry)
@@ -324,8 +330,7 @@ def simulate(
     settings = presets.Settings(
         **{k: numbers[k] for k in _SETTINGS}, follow_admit=follow_admit, config=anneal_config
     )
-    names = _expand(policies, paper_sa_grid)
-    pols = _policies(names, setup, settings, policy_kwargs)
+    pols = _policies(_expand(entries, paper_sa_grid), setup, settings, policy_kwargs)
     n_steps = min(steps or trace.steps, trace.steps)
     horizon = max([p.horizon for p in pols.values()] + [1])
     check_memory(setup, min(chunk, n_steps), horizon, len(pols))
@@ -355,19 +360,21 @@ def simulate(
     rows = _rows(pols, rep, setup, timings, dual_wall, n_steps)
     meta = _setup_row(trace, setup, n_steps, sparsity, geometry, demote_cost, keep_fetched)
     meta.update(geometry_source=source, pool_from=sized_by, hbm_budget=hbm_budget)
-    return _table(rows, policies, bounds, n_steps * batch, setup.link_profile, meta)
+    return _table(rows, list(entries), bounds, n_steps * batch, setup.link_profile, meta)
 
 
-def _check_arguments(numbers: dict, policies, policy_kwargs, follow_admit) -> None:
+def _check_arguments(numbers: dict, policies, policy_kwargs, follow_admit) -> dict:
     """simulate()'s checks before any work: the numbers (`numbers`, name -> value, by
-    ARG_BOUNDS), the policy names, the per-policy knobs and the follow admit rule."""
+    ARG_BOUNDS), the policies, the per-policy knobs and the follow admit rule. Returns the
+    policies as {label: name or policy} (`check_policies`)."""
     sparsity = numbers["sparsity"]
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity must lie in [0, 1), got {sparsity!r}")
     check_args(numbers)
-    check_policies(policies)
-    check_policy_kwargs(policy_kwargs, policies)
+    entries = check_policies(policies)
+    check_policy_kwargs(policy_kwargs, entries)
     check_follow_admit(follow_admit)
+    return entries
 
 
 def _setup(trace, profile, geometry, pool: dict, demote_cost, keep_fetched, fp8="off"):
@@ -401,10 +408,21 @@ def _setup(trace, profile, geometry, pool: dict, demote_cost, keep_fetched, fp8=
     return geometry, setup, sized_by
 
 
-def _policies(names, setup: Setup, settings, policy_kwargs) -> dict:
-    """{name: policy} under `settings`, each with its `policy_kwargs` knobs."""
+def _policies(entries: dict, setup: Setup, settings, policy_kwargs) -> dict:
+    """{label: policy}: a name resolved under `settings` with its label's `policy_kwargs`
+    knobs (an anneal preset under another label takes the label as its name), a policy object
+    as it is."""
     kw = policy_kwargs or {}
-    return {n: make_policy(n, setup, settings, **kw.get(n, {})) for n in names}
+    out = {}
+    for label, spec in entries.items():
+        if not isinstance(spec, str):
+            out[label] = spec
+            continue
+        policy = make_policy(spec, setup, settings, **kw.get(label, {}))
+        if label != spec and isinstance(policy, Anneal):
+            policy = dataclasses.replace(policy, name=label)
+        out[label] = policy
+    return out
 
 
 def _packed_reads(setup: Setup, n_steps: int, max_bytes: float):
