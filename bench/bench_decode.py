@@ -245,7 +245,7 @@ def run_case(args, model, profile, frac, placement, context, batch, policy_kwarg
         host_bytes=np.asarray(m.host_bytes[sl], np.float64),
         tokens=np.asarray(state.tokens)[:, : args.warmup + done + 1],
         recompiled=dec.compilations() != n_compiled,
-        hbm_blocks=cfg.hbm_blocks,
+        hbm_blocks=cfg.hbm_slots,
     )
 
 

@@ -93,7 +93,7 @@ def ring_bytes(cfg: CacheConfig) -> int:
 
 def hbm_footprint(cfg: CacheConfig) -> int:
     """HBM bytes the KV takes per layer: the pool at its storage bytes, plus the ring."""
-    return cfg.hbm_blocks * cfg.hbm_block_bytes + ring_bytes(cfg)
+    return cfg.hbm_slots * cfg.hbm_block_bytes + ring_bytes(cfg)
 
 
 def equal_bytes_blocks(cfg: CacheConfig, budget: int) -> tuple[int, bool]:
@@ -133,7 +133,7 @@ def _run(
         tokens_per_s=s["modeled_tokens_per_s"],
         reads=total,
         hbm_hit_rate=s["hbm_hit_rate"],
-        hbm_blocks=cfg.hbm_blocks,
+        hbm_blocks=cfg.hbm_slots,
         hbm_footprint=hbm_footprint(cfg),
         total_blocks=cfg.total_blocks,
         host_block_bytes=cfg.host_block_bytes,

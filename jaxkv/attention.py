@@ -157,7 +157,7 @@ def fetch_host_blocks(cache: TieredKVCache, layer, read_host, num_staging: int):
     ids = compact_ids(read_host, K)
     B = read_host.shape[0]
     slot = jnp.take_along_axis(cache.slot[layer], jnp.maximum(ids, 0), axis=1)
-    listed = rows_of(layer, slot, ids >= 0, c.host_blocks).reshape(-1)  # [B * K]
+    listed = rows_of(layer, slot, ids >= 0, c.host_slots).reshape(-1)  # [B * K]
     sk, sv = read_host_blocks(cache, listed)  # dequantized on the device under fp8="host"
     rank = (jnp.cumsum(read_host, axis=1) - 1).astype(jnp.int32)
     staging_table = jnp.where(read_host, jnp.arange(B, dtype=jnp.int32)[:, None] * K + rank, 0)
@@ -167,7 +167,7 @@ def fetch_host_blocks(cache: TieredKVCache, layer, read_host, num_staging: int):
 def staging_width(config, num_staging: int) -> int:
     """Staging entries per sequence: the per-sequence bound, capped by the logical blocks and
     by the host pool (no more blocks can live there)."""
-    return max(1, min(num_staging, config.max_blocks, config.host_blocks))
+    return max(1, min(num_staging, config.max_blocks, config.host_slots))
 
 
 def staging_size(config, num_staging: int) -> int:
@@ -322,9 +322,9 @@ def tiered_attention(
             pool = (cache.hbm_k, cache.hbm_v, slot, read_pool)
             parts.append(_kernel_part(q, *pool, lengths, scale, lay, starts, fp8))
         else:  # gather only the blocks this part reads (at most min(M, HBM slots) each)
-            ids_h = compact_ids(read_pool, max(1, min(c.max_blocks, c.hbm_blocks)))
+            ids_h = compact_ids(read_pool, max(1, min(c.max_blocks, c.hbm_slots)))
             at = jnp.take_along_axis(slot, jnp.maximum(ids_h, 0), axis=1)
-            kh, vh = read_hbm_blocks(cache, lay, jnp.clip(at, 0, c.hbm_blocks - 1))
+            kh, vh = read_hbm_blocks(cache, lay, jnp.clip(at, 0, c.hbm_slots - 1))
             parts.append(attend_compact(q, kh, vh, ids_h, lengths, scale_f, c.max_blocks, starts))
     if c.ring_blocks:  # fp8="age": the recent blocks, at full precision, laid out per sequence
         with jax.named_scope("ring_part"):

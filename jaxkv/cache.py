@@ -110,7 +110,7 @@ def prefill(cache: TieredKVCache, k: jax.Array, v: jax.Array, lengths) -> Tiered
 def _prefill(cache: TieredKVCache, k, v, lengths) -> TieredKVCache:
     c = cache.config
     L, B, M, bs = c.num_layers, c.batch, c.max_blocks, c.block_size
-    S_h, S_x = c.hbm_blocks, c.host_blocks
+    S_h, S_x = c.hbm_slots, c.host_slots
     kb, vb, live = _prompt_blocks(k, v, lengths, M, bs)
     tier, slot, to_hbm, to_host, written = _prefill_table(lengths, B, M, bs, S_h)
     # pools: gather each slot's source block (device side), then place host pools in one copy
@@ -254,7 +254,7 @@ def _write_token(cache: TieredKVCache, layer, k, v, active) -> TieredKVCache:
             ring_v=cache.ring_v.at[at].set(v.astype(c.jnp_dtype), mode="drop"),
         )
     else:
-        s = jnp.where(ok, cache.slot[layer, b, j], c.hbm_blocks)  # out of range -> dropped
+        s = jnp.where(ok, cache.slot[layer, b, j], c.hbm_slots)  # out of range -> dropped
         pools = dict(
             hbm_k=cache.hbm_k.at[layer, s, off].set(k.astype(c.jnp_dtype), mode="drop"),
             hbm_v=cache.hbm_v.at[layer, s, off].set(v.astype(c.jnp_dtype), mode="drop"),
@@ -306,7 +306,7 @@ def _advance(cache: TieredKVCache, active, after_reads) -> TieredKVCache:
     host_slot = take(host_list, jnp.maximum(jnp.cumsum(spill, axis=1) - 1, 0))  # [L, B]
 
     lay = jnp.arange(L)[:, None]
-    rows = rows_of(lay, host_slot, spill, c.host_blocks).reshape(-1)
+    rows = rows_of(lay, host_slot, spill, c.host_slots).reshape(-1)
     blk = (L * B, c.block_size, c.kv_heads, c.head_dim)
     if c.ring_blocks:  # fp8="age": the sealed block is quantized from the ring into its slot
         # (the last block of a sequence that fills max_len seals in place, without a new tail)
@@ -314,7 +314,7 @@ def _advance(cache: TieredKVCache, active, after_reads) -> TieredKVCache:
         e = sj % c.ring_blocks
         sealed_k, sealed_v = cache.ring_k[:, b, e], cache.ring_v[:, b, e]  # [L, B, ...]
         stays = (seal[None] & keep) | (ok & (lengths % bs == 0) & ~seal)[None]
-        at = jnp.where(stays, cache.slot[:, b, sj], c.hbm_blocks)  # -> dropped
+        at = jnp.where(stays, cache.slot[:, b, sj], c.hbm_slots)  # -> dropped
         hbm = write_hbm(cache, lay, at, sealed_k, sealed_v)
     else:
         sealed_k, sealed_v = cache.hbm_k[lay, old_slot], cache.hbm_v[lay, old_slot]
@@ -324,7 +324,7 @@ def _advance(cache: TieredKVCache, active, after_reads) -> TieredKVCache:
     tier = tier.at[:, b, new_j].set(jnp.where(seal[None], TIER_HBM, tier[:, b, new_j]))
     slot = cache.slot.at[:, b, old_j].set(jnp.where(spill, host_slot, cache.slot[:, b, old_j]))
     slot = slot.at[:, b, new_j].set(jnp.where(seal[None], tail_slot, slot[:, b, new_j]))
-    S_h, S_x = c.hbm_blocks, c.host_blocks
+    S_h, S_x = c.hbm_slots, c.host_slots
     hbm_free = cache.hbm_free.at[lay, jnp.where(keep, tail_slot, S_h)].set(False, mode="drop")
     host_free = cache.host_free.at[lay, jnp.where(spill, host_slot, S_x)].set(False, mode="drop")
     return replace(
@@ -364,7 +364,7 @@ def compact(cache: TieredKVCache, impl: str = "xla") -> TieredKVCache:
 def _compact(cache: TieredKVCache, *, impl: str) -> TieredKVCache:
     used = ~cache.hbm_free  # [L, S]
     src, dst, num_moves, new_of_old = compaction_moves(used)
-    S = cache.config.hbm_blocks
+    S = cache.config.hbm_slots
     lay = jnp.arange(cache.config.num_layers)[:, None]
     at = jnp.where(jnp.arange(src.shape[1])[None] < num_moves[:, None], dst, S)  # -> dropped
 
@@ -383,7 +383,7 @@ def _compact(cache: TieredKVCache, *, impl: str) -> TieredKVCache:
     renum = jnp.take_along_axis(new_of_old, cache.slot.reshape(cache.config.num_layers, -1), 1)
     slot = jnp.where(in_hbm, renum.reshape(cache.slot.shape), cache.slot)
     n_used = jnp.sum(used, axis=1, keepdims=True)
-    hbm_free = jnp.arange(cache.config.hbm_blocks)[None] >= n_used
+    hbm_free = jnp.arange(cache.config.hbm_slots)[None] >= n_used
     return replace(cache, hbm_k=hbm_k, hbm_v=hbm_v, **scales, slot=slot, hbm_free=hbm_free)
 
 
@@ -404,13 +404,13 @@ def to_dense(cache: TieredKVCache) -> tuple[jax.Array, jax.Array]:
       positions >= lengths.
     """
     c = cache.config
-    L, S = c.num_layers, c.host_blocks
+    L, S = c.num_layers, c.host_slots
     host_k, host_v = read_host(cache, jnp.arange(L * S, dtype=jnp.int32))
     host_k = host_k.reshape(L, S, *host_k.shape[1:])
     host_v = host_v.reshape(L, S, *host_v.shape[1:])
 
     lay = jnp.arange(L)[:, None, None]
-    hk, hv = read_hbm(cache, lay, jnp.clip(cache.slot, 0, c.hbm_blocks - 1))  # [L, B, M, ...]
+    hk, hv = read_hbm(cache, lay, jnp.clip(cache.slot, 0, c.hbm_slots - 1))  # [L, B, M, ...]
     xs = jnp.clip(cache.slot, 0, S - 1)
     on_host = (cache.tier == TIER_HOST)[..., None, None, None]
     bk = jnp.where(on_host, host_k[lay, xs], hk)

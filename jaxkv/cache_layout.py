@@ -67,14 +67,14 @@ class TieredKVCache:
         check_host_pool(c)
         L, B, M = c.num_layers, c.batch, c.max_blocks
         blk = (c.block_size, c.kv_heads, c.head_dim)
-        hbm = jnp.zeros((L, c.hbm_blocks, *blk), c.hbm_dtype)
-        host = jnp.zeros((L, c.host_blocks, *blk), c.host_dtype)
-        scales = jnp.ones((L, c.host_blocks if c.fp8_in("host") else 0, c.kv_heads), jnp.float32)
-        hbm_scales = jnp.ones((L, c.hbm_blocks if c.fp8_in("hbm") else 0, c.kv_heads))
+        hbm = jnp.zeros((L, c.hbm_slots, *blk), c.hbm_dtype)
+        host = jnp.zeros((L, c.host_slots, *blk), c.host_dtype)
+        scales = jnp.ones((L, c.host_slots if c.fp8_in("host") else 0, c.kv_heads), jnp.float32)
+        hbm_scales = jnp.ones((L, c.hbm_slots if c.fp8_in("hbm") else 0, c.kv_heads))
         ring = jnp.zeros((L, B, c.ring_blocks, *blk), c.jnp_dtype)
         tier = jnp.full((L, B, M), TIER_NONE, jnp.int32).at[:, :, 0].set(TIER_HBM)
         slot = jnp.zeros((L, B, M), jnp.int32).at[:, :, 0].set(jnp.arange(B, dtype=jnp.int32))
-        hbm_free = jnp.ones((L, c.hbm_blocks), bool).at[:, :B].set(False)
+        hbm_free = jnp.ones((L, c.hbm_slots), bool).at[:, :B].set(False)
         summary = jnp.zeros((L, B, M, c.kv_heads, c.head_dim), jnp.float32)
         return TieredKVCache(
             hbm_k=to_kind(hbm, HBM_KIND),
@@ -90,7 +90,7 @@ class TieredKVCache:
             tier=tier,
             slot=slot,
             hbm_free=hbm_free,
-            host_free=jnp.ones((L, c.host_blocks), bool),
+            host_free=jnp.ones((L, c.host_slots), bool),
             lengths=jnp.zeros((B,), jnp.int32),
             kmin=summary,
             kmax=summary,
@@ -280,12 +280,12 @@ def check_host_pool(config: CacheConfig, platform: str | None = None) -> None:
     platform = target_platform() if platform is None else platform
     if platform not in ("gpu", "cuda", "rocm") or config.host_memory_kind != "pinned_host":
         return
-    need = config.num_layers * config.host_blocks * config.host_block_bytes
+    need = config.num_layers * config.host_slots * config.host_block_bytes
     limit = gpu_host_limit_bytes()
     if need > limit:
         raise ValueError(
             f"the cache's host pools need {need / 2**30:.1f} GiB of pinned host memory "
-            f"({config.num_layers} layers x {config.host_blocks} slots x "
+            f"({config.num_layers} layers x {config.host_slots} slots x "
             f"{config.host_block_bytes} bytes per K+V block), over the GPU runtime's pinned-host "
             f"limit of {limit / 2**30:.1f} GiB: raise {GPU_HOST_LIMIT_VAR} (e.g. "
             f"{GPU_HOST_LIMIT_VAR}={int(need / 2**30) + 8}, set before jax starts) or lower "

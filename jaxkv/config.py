@@ -146,16 +146,16 @@ class CacheConfig:
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        hbm = self.hbm_blocks  # validates the capacity spec
+        hbm = self.hbm_slots  # validates the capacity spec
         if hbm < self.batch:
             raise ValueError(
                 f"hbm_capacity={self.hbm_capacity!r} gives {hbm} HBM blocks per layer, but each "
                 f"of the batch={self.batch} sequences needs one HBM tail block: expected "
                 f">= {self.batch}"
             )
-        if hbm + self.host_blocks < self.total_blocks:
+        if hbm + self.host_slots < self.total_blocks:
             raise ValueError(
-                f"host_capacity={self.host_capacity!r} gives {self.host_blocks} host blocks per "
+                f"host_capacity={self.host_capacity!r} gives {self.host_slots} host blocks per "
                 f"layer; with {hbm} HBM blocks the cache needs at least "
                 f"{self.total_blocks - hbm} to hold batch={self.batch} x max_len={self.max_len} "
                 f"tokens ({self.total_blocks} blocks of {self.block_size})"
@@ -206,7 +206,7 @@ class CacheConfig:
         return self.batch * self.max_blocks
 
     @property
-    def hbm_blocks(self) -> int:
+    def hbm_slots(self) -> int:
         """HBM blocks per layer, tail buffer included."""
         return self._blocks("hbm_capacity", self.hbm_capacity)
 
@@ -214,13 +214,13 @@ class CacheConfig:
     def hbm_pool_slots(self) -> int:
         """HBM slots per layer that sealed blocks may use: one slot per sequence is reserved for
         the tail block being filled."""
-        return self.hbm_blocks - self.batch
+        return self.hbm_slots - self.batch
 
     @property
-    def host_blocks(self) -> int:
+    def host_slots(self) -> int:
         """Host slots per layer (at least 1, so the host pool always exists)."""
         if self.host_capacity is None:
-            return max(1, self.total_blocks - self.hbm_blocks)
+            return max(1, self.total_blocks - self.hbm_slots)
         return max(1, self._blocks("host_capacity", self.host_capacity))
 
     @property

@@ -242,7 +242,7 @@ def _promoted_blocks(cache: TieredKVCache, moves: Moves, ls, t: _Transfers, fetc
     c = cache.config
     blk = cache.hbm_k.shape[2:]
     if fetched is None:
-        p_rows = rows_of(ls[:, None], t.p_src, t.p_ok, c.host_blocks).reshape(-1)
+        p_rows = rows_of(ls[:, None], t.p_src, t.p_ok, c.host_slots).reshape(-1)
         return read_host(cache, p_rows)
     fk, fv = fetched
     want = (c.num_layers, moves.promote.shape[1], *blk)
@@ -267,11 +267,11 @@ def _write_pools(cache: TieredKVCache, ls, t: _Transfers, pk, pv, after_reads):
     blk = cache.hbm_k.shape[2:]
     ok_k, ok_v = read_hbm(cache, lay, t.out_src)
     reads = (pk, pv, after_reads)
-    o_rows = rows_of(lay, t.out_dst, t.out_ok, c.host_blocks).reshape(-1)
+    o_rows = rows_of(lay, t.out_dst, t.out_ok, c.host_slots).reshape(-1)
     host = write_host(
         cache, o_rows, ok_k.reshape(-1, *blk), ok_v.reshape(-1, *blk), after_reads=reads
     )
-    p_at = jnp.where(t.p_ok, t.p_dst, c.hbm_blocks)
+    p_at = jnp.where(t.p_ok, t.p_dst, c.hbm_slots)
     hbm = write_hbm(cache, lay, p_at, pk.reshape(nl, Kp, *blk), pv.reshape(nl, Kp, *blk))
     return {**hbm, **host}
 
@@ -282,7 +282,7 @@ def _with_tables(cache: TieredKVCache, ls, t: _Transfers, pools, tables):
     Returns (cache, [layers] int32 blocks moved)."""
     c = cache.config
     L, B, M = c.num_layers, c.batch, c.max_blocks
-    S_h, S_x = c.hbm_blocks, c.host_blocks
+    S_h, S_x = c.hbm_slots, c.host_slots
     tier, slot, hbm_free, host_free = tables
     nl, N = tier.shape
     rr = jnp.arange(nl)[:, None]

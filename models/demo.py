@@ -284,7 +284,7 @@ def _run_part(
         plan_s = dec.plan_seconds(params, state)
         summary = summarize(state, plan_seconds=plan_s, step_seconds=wall / n if n else None)
         summary["wall_tokens_per_s"] = n / wall if wall > 0 and n else float("nan")
-        summary["hbm_blocks"] = cfg.hbm_blocks
+        summary["hbm_blocks"] = cfg.hbm_slots
         summary["total_blocks"] = cfg.total_blocks
         results[name] = summary
         tokens[name] = np.asarray(state.tokens)

@@ -26,7 +26,7 @@ def test_fp8_off_and_host_get_their_own_pool_back(fq):
     for fp8 in ("off", "host"):
         ref = _cfg(fq, "0.5", "off")
         n, fits = fq.equal_bytes_blocks(_cfg(fq, 1.0, fp8), fq.hbm_footprint(ref))
-        assert (n, fits) == (ref.hbm_blocks, True)  # host: the HBM pool stays bf16
+        assert (n, fits) == (ref.hbm_slots, True)  # host: the HBM pool stays bf16
 
 
 def test_age_spends_the_budget_on_the_ring_then_fp8_blocks(fq):
@@ -41,7 +41,7 @@ def test_age_spends_the_budget_on_the_ring_then_fp8_blocks(fq):
         assert fq.hbm_footprint(got) + probe.hbm_block_bytes > budget or n == probe.total_blocks
     # age:0's ring is the tails alone, so FP8 buys about twice FP8 off's pool
     n0, _ = fq.equal_bytes_blocks(_cfg(fq, 1.0, "age:0"), budget)
-    assert 1.8 * ref.hbm_blocks < n0 <= ref.total_blocks
+    assert 1.8 * ref.hbm_slots < n0 <= ref.total_blocks
 
 
 def test_a_ring_larger_than_the_budget_does_not_fit(fq):

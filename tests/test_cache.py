@@ -112,7 +112,7 @@ def test_migrate_preserves_contents_and_capacity():
     assert int(moved.sum()) > 0
     for a, b in zip(kvc.to_dense(new), (dk, dv), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert int((~new.hbm_free).sum(axis=1).max()) <= c.hbm_blocks
+    assert int((~new.hbm_free).sum(axis=1).max()) <= c.hbm_slots
 
 
 def test_migrate_swaps_when_hbm_full():

@@ -15,9 +15,9 @@ GEOM = dict(num_layers=2, kv_heads=2, head_dim=8)
 def test_capacities_from_fraction_and_blocks():
     c = CacheConfig(**GEOM, batch=2, max_len=64, block_size=16, hbm_capacity=0.25)
     assert c.max_blocks == 4 and c.total_blocks == 8
-    assert c.hbm_blocks == 2 and c.hbm_pool_slots == 0 and c.host_blocks == 6
+    assert c.hbm_slots == 2 and c.hbm_pool_slots == 0 and c.host_slots == 6
     c = CacheConfig(**GEOM, batch=1, max_len=100, block_size=7, hbm_capacity=5)
-    assert c.max_blocks == 15 and c.hbm_blocks == 5 and c.host_blocks == 10
+    assert c.max_blocks == 15 and c.hbm_slots == 5 and c.host_slots == 10
     assert c.block_bytes == 2 * 7 * 2 * 8 * 4
 
 
@@ -93,7 +93,7 @@ def test_for_model_takes_geometry_and_dtype():
     mc = tiny_config(dtype="bfloat16")
     c = CacheConfig.for_model(mc, max_len=128, hbm_capacity=0.5)
     assert (c.num_layers, c.kv_heads, c.head_dim, c.dtype) == (2, 2, 16, "bfloat16")
-    assert c.max_len == 128 and c.hbm_blocks == 4
+    assert c.max_len == 128 and c.hbm_slots == 4
 
 
 def test_check_number_messages():

@@ -93,7 +93,7 @@ def test_host_tier_is_fp8_and_round_trips_within_the_bound(fetch, kind):
     assert cache.host_k.dtype == jnp.float8_e4m3fn and cache.host_v.dtype == jnp.float8_e4m3fn
     assert cache.host_k.sharding.memory_kind == kind
     assert cache.hbm_k.dtype == jnp.bfloat16
-    assert cache.host_ks.shape == (cfg.num_layers, cfg.host_blocks, cfg.kv_heads)
+    assert cache.host_ks.shape == (cfg.num_layers, cfg.host_slots, cfg.kv_heads)
     kd, _ = kvc.to_dense(cache)
     T, Tp = k.shape[2], kd.shape[2]
     live = (jnp.arange(T)[None, :] < lengths[:, None])[None, :, :, None, None]

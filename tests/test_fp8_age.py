@@ -67,7 +67,7 @@ def test_prefill_keeps_recent_tokens_exact_and_old_ones_within_the_bound(age, ki
     assert cache.host_k.sharding.memory_kind == kind
     assert cache.ring_k.shape == (2, 2, cfg.ring_blocks, BS, 2, 16)
     assert cache.ring_k.dtype == jnp.bfloat16
-    assert cache.hbm_ks.shape == (2, cfg.hbm_blocks, 2)
+    assert cache.hbm_ks.shape == (2, cfg.hbm_slots, 2)
     assert int((cache.tier == 1).sum()) > 0  # both tiers hold blocks
     T = k.shape[2]
     for got, want in zip(kvc.to_dense(cache), (k, v), strict=True):
