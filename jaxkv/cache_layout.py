@@ -289,5 +289,5 @@ def check_host_pool(config: CacheConfig, platform: str | None = None) -> None:
             f"{config.host_block_bytes} bytes per K+V block), over the GPU runtime's pinned-host "
             f"limit of {limit / 2**30:.1f} GiB: raise {GPU_HOST_LIMIT_VAR} (e.g. "
             f"{GPU_HOST_LIMIT_VAR}={int(need / 2**30) + 8}, set before jax starts) or lower "
-            "max_len, batch or host_capacity"
+            "max_len, batch or the host_* capacity"
         )

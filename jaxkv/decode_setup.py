@@ -78,7 +78,7 @@ def live_policy(p: PlacementConfig, env: CostModel, overrides: dict):
     if base == "unlimited":
         raise ValueError(
             f"policy {p.policy!r} is the Unlimited-HBM bound (every block in HBM), not a "
-            "placement: use hbm_capacity=1.0 for an all-HBM decode, or an online policy "
+            "placement: use hbm_fraction=1.0 for an all-HBM decode, or an online policy "
             "(e.g. 'lru', 'anneal' or 'anneal+reuse+follow')"
         )
     if not BASES[base].online:

@@ -261,7 +261,7 @@ def _run_part(
             batch=1,
             max_len=prompt_len + new_tokens,
             block_size=block_size,
-            hbm_capacity=frac,
+            hbm_fraction=frac,
         )
         placement = PlacementConfig(policy=policy, window=window, attention=attention)
         dec = Decoder(model, cfg, placement, max_new_tokens=new_tokens, profile=profile)

@@ -210,7 +210,15 @@ def generate_text(
         label=lambda name: name,
     )
     # the FP8 settings, checked before the model loads (the model's geometry does not matter)
-    CacheConfig(num_layers=1, kv_heads=1, head_dim=1, block_size=16, fp8=fp8, fp8_age=fp8_age)
+    CacheConfig(
+        num_layers=1,
+        kv_heads=1,
+        head_dim=1,
+        hbm_fraction=1.0,
+        block_size=16,
+        fp8=fp8,
+        fp8_age=fp8_age,
+    )
     model, tokenizer = load_model(model_spec)
     mc = model.config
     if chat:
@@ -230,7 +238,7 @@ def generate_text(
         batch=1,
         max_len=max_len,
         block_size=16,
-        hbm_capacity=hbm_fraction,
+        hbm_fraction=hbm_fraction,
         fp8=fp8,
         fp8_age=fp8_age,
     )

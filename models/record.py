@@ -110,7 +110,7 @@ def record_trace(
         batch=1,
         max_len=max_len,
         block_size=block_size,
-        hbm_capacity=1.0,
+        hbm_fraction=1.0,
     )
     if sparsity == 0.0:
         placement = PlacementConfig(policy="static", attention="exact", window=1 << 20)

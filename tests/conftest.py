@@ -44,7 +44,7 @@ def random_cache(
     batch=2,
     max_len=64,
     block_size=4,
-    hbm_capacity=0.25,
+    hbm_fraction=0.25,
     lengths=(21, 13),
     dtype="float32",
     shuffle_moves=16,
@@ -59,7 +59,7 @@ def random_cache(
         batch=batch,
         max_len=max_len,
         block_size=block_size,
-        hbm_capacity=hbm_capacity,
+        hbm_fraction=hbm_fraction,
         dtype=dtype,
         host_memory_kind=host_memory_kind,
     )
@@ -135,7 +135,7 @@ def fp8_config(**kw):
         batch=2,
         max_len=96,
         block_size=16,
-        hbm_capacity=3,
+        hbm_blocks=3,
         dtype="bfloat16",
         fp8="host",
     )
