@@ -8,7 +8,7 @@ from flax import nnx
 
 from jaxkv import cache as kvc
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
-from jaxkv.decode import Decoder, Greedy, Sampling, summarize
+from jaxkv.decode import PAD_ID, Decoder, Greedy, NonFiniteLogitsError, Sampling, summarize
 
 PROMPT_LENS = (45, 30)
 NEW = 24
@@ -371,7 +371,9 @@ def test_eos_stops_sequences(tiny, all_hbm_tokens):
     state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
     toks = np.asarray(state.tokens)
     first = toks[0].tolist().index(eos)
-    assert (toks[0, first + 1 :] == 0).all() and bool(state.done[0])
+    assert (toks[0, first + 1 :] == PAD_ID).all() and bool(state.done[0])
+    want = [r.tolist().index(eos) + 1 if eos in r else NEW for r in toks]  # the pad uncounted
+    assert np.asarray(state.lengths).tolist() == want and want[0] == first + 1
 
 
 def test_any_of_several_eos_ids_stops_a_sequence(tiny, all_hbm_tokens):
@@ -388,7 +390,32 @@ def test_any_of_several_eos_ids_stops_a_sequence(tiny, all_hbm_tokens):
     toks = np.asarray(dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS)).tokens)
     for row, eos in ((0, first), (1, second)):
         stop = min(toks[row].tolist().index(t) for t in (first, second) if t in toks[row])
-        assert stop <= toks[row].tolist().index(eos) and (toks[row, stop + 1 :] == 0).all()
+        assert stop <= toks[row].tolist().index(eos) and (toks[row, stop + 1 :] == PAD_ID).all()
+
+
+def test_nan_weights_stop_the_run_naming_the_step(tiny):
+    """NaN weights used to decode all-zero tokens without a word."""
+    model, params = tiny
+    nan_params = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), params)
+    dec = Decoder(model, _cfg(model, hbm_fraction=1.0), PlacementConfig(), max_new_tokens=4)
+    state = dec.prefill(nan_params, _prompts(256), PROMPT_LENS)
+    msg = r"^the logits of sequences \[0, 1\] held NaN or inf at the prefill \(step 0\), the tok"
+    with pytest.raises(NonFiniteLogitsError, match=msg) as err:
+        dec.generate(nan_params, state)
+    assert int(err.value.state.step) == 0  # stopped there: no step decoded on NaN
+    assert (np.asarray(err.value.state.tokens)[:, 1:] == PAD_ID).all()
+
+
+def test_non_finite_logits_later_name_the_decode_step():
+    from jaxkv.decode import check_finite
+    from jaxkv.decode_state import SamplingState
+
+    z = jnp.zeros((2,), jnp.int32)
+    sm = SamplingState(tokens=None, last=z, done=z, step=z, key=None, bad_step=jnp.array([7, 5]))
+    state = dataclasses.make_dataclass("S", ["sampling"])(sm)
+    msg = r"^the logits of sequence \[1\] held NaN or inf at decode step 5, .* \(sequences \[0\] l"
+    with pytest.raises(NonFiniteLogitsError, match=msg):
+        check_finite(state)
 
 
 @pytest.mark.parametrize("bad", [-1, 10**9, 2.0, True, [], [1, "2"]])

@@ -187,3 +187,12 @@ def test_demo_failure_mid_run_gets_its_own_line(capsys, monkeypatch, tiny):
     err = capsys.readouterr().err
     assert rc == 2
     assert "decoding" in err and "\njaxkv demo: error: boom\n" in err
+
+
+def test_decoded_text_stops_at_the_pad():
+    """The token buffer pads a finished sequence with PAD_ID (-1, no token): the text stops."""
+    from jaxkv.decode import PAD_ID
+    from models.generate import decode_text
+
+    assert decode_text(None, [104, 105, PAD_ID, PAD_ID]) == "hi"
+    assert decode_text(None, [104, 105, 33, PAD_ID], stop=(33,)) == "hi"
