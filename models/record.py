@@ -93,8 +93,10 @@ def record_trace(
 
     mc = model.config
     prompt_ids = np.asarray(prompt_ids, np.int32)
-    if prompt_ids.ndim != 1 or len(prompt_ids) < 1:
-        raise ValueError(f"prompt_ids has shape {prompt_ids.shape}, expected [T] with T >= 1")
+    if prompt_ids.ndim != 1:
+        raise ValueError(f"prompt_ids has shape {prompt_ids.shape}, expected [T] token ids")
+    if len(prompt_ids) < 1:
+        raise ValueError("the prompt is empty (0 tokens): expected at least one token")
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if not 0.0 <= sparsity < 1.0:
@@ -198,6 +200,10 @@ def _check_args(args) -> Path:
     if not text_path.is_file():
         what = "is a directory" if text_path.is_dir() else "file not found"
         raise ValueError(f"--prompt-file {str(text_path)!r}: {what}")
+    if not text_path.read_text(errors="replace").strip():
+        raise ValueError(
+            f"--prompt-file {str(text_path)!r}: the file is empty: expected the prompt's text"
+        )
     check_model_spec(args.model, "--model")
     check_number("--prompt-tokens", args.prompt_tokens, integer=True, low=0)
     check_number("--steps", args.steps, integer=True, low=1)

@@ -220,6 +220,13 @@ def test_error_prefill_lengths_out_of_range():
         kvc.prefill(cache, k, k, jnp.array([5, 0]))
 
 
+def test_error_prefill_fractional_lengths():
+    cache = kvc.TieredKVCache.create(_cfg())
+    k = jnp.zeros((2, 2, 5, 2, 8))
+    with pytest.raises(ValueError, match=r"^lengths=\[5.0, 3.5\]: expected whole numbers of tok"):
+        kvc.prefill(cache, k, k, [5, 3.5])
+
+
 def test_error_prefill_longer_than_cache():
     cache = kvc.TieredKVCache.create(_cfg(max_len=8, hbm_blocks=2))
     k = jnp.zeros((2, 2, 9, 2, 8))

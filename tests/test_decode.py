@@ -501,11 +501,23 @@ def test_error_prompt_dtype(tiny):
         dec.prefill(params, jnp.zeros((2, 4), jnp.float32))
 
 
-def test_error_prompt_lengths(tiny):
+@pytest.mark.parametrize(
+    "width, lengths, msg",
+    [
+        (0, None, r"the prompts are empty \(shape \(2, 0\): 0 tokens\): expected at least one"),
+        (4, [0, 3], r"lengths=\[0, 3\]: sequence 0's prompt is empty \(0 tokens\): expected at"),
+        (4, [4, 9.5], r"lengths=\[4.0, 9.5\]: sequence 1's length 9.5 is not a whole number"),
+        (4, [4, 5], r"lengths=\[4, 5\]: sequence 1's length 5 exceeds the prompts' width T=4"),
+        (4, [4], r"lengths=\[4\]: expected 2 prompt lengths, one per sequence \(batch=2\)"),
+    ],
+)
+def test_error_prompt_lengths(tiny, width, lengths, msg):
+    """Each refused before any work: an empty prompt, a fractional length (was truncated),
+    a length past the prompts' width, a length per sequence missing."""
     model, params = tiny
     dec = Decoder(model, _cfg(model, hbm_fraction=1.0), PlacementConfig())
-    with pytest.raises(ValueError, match=r"lengths=\[0, 3\] must be 2 values in \[1, 4\]"):
-        dec.prefill(params, jnp.zeros((2, 4), jnp.int32), [0, 3])
+    with pytest.raises(ValueError, match="^" + msg):
+        dec.prefill(params, jnp.zeros((2, width), jnp.int32), lengths)
 
 
 def test_error_max_new_tokens(tiny):
