@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import cost
+from jaxkv.cli import atomic_output
 from jaxkv.config import CacheConfig, PlacementConfig, check_number
 from jaxkv.decode import Decoder
 from jaxkv.sim import trace as kvtrace
@@ -126,8 +127,12 @@ def record_trace(
     K = cfg.max_blocks
     ids = np.full((steps, mc.num_layers, K), -1, np.int32)
     mass = np.zeros((steps, mc.num_layers, K), np.float32)
-    for t in tqdm(range(steps), desc="recording", disable=not progress, file=sys.stderr):
+    bar = tqdm(range(steps), desc="recording", disable=not progress, file=sys.stderr, leave=False)
+    bar.set_postfix_str("compiling the step")  # the first step compiles: no 0% that hangs
+    for t in bar:
         state = dec.step(params, state)
+        if t == 0:
+            bar.set_postfix_str("")
         m = np.asarray(state.step_mass[:, 0]) / mc.num_heads  # [layers, max_blocks]
         n_ctx = kvtrace.context_blocks(len(prompt_ids), t, block_size)
         read = m[:, :n_ctx] > 0
@@ -154,19 +159,8 @@ def record_trace(
 def save_atomic(path: str | os.PathLike, trace: kvtrace.FileTrace, *, compact=False) -> None:
     """Writes the trace through a temporary file, so a failure leaves nothing half-written
     (`compact`: `jaxkv.sim.trace.save`'s int16 ids and float16 mass)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".npz", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_output(path, ".npz") as tmp:  # removed on a failure or Ctrl-C
         kvtrace.save(tmp, trace, compact=compact)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give it a normal file's mode
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def check_writable(path: str | os.PathLike, label: str = "out") -> None:
