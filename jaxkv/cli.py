@@ -87,7 +87,8 @@ def _start_watchdog(command: str, handled: threading.Event):
         for tmp in list(_TEMPS):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        os.write(2, (_interrupted_line(command) + "\n").encode())
+        clear = "\r\x1b[K" if os.isatty(2) else ""  # over a progress bar left mid-line
+        os.write(2, (clear + _interrupted_line(command) + "\n").encode())
         os._exit(EXIT_INTERRUPTED)
 
     threading.Thread(target=watch, name="jaxkv-interrupt", daemon=True).start()

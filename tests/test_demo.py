@@ -163,7 +163,8 @@ def test_run_demo_checks_arguments_before_loading(monkeypatch):
 
 
 def test_demo_failure_mid_run_gets_its_own_line(capsys, monkeypatch, tiny):
-    """An error raised while the progress bar is open is printed after the bar's line ends."""
+    """An error raised while the progress bar is open is printed on a line of its own: the
+    bar clears itself first (leave=False; so does a Ctrl-C's line)."""
 
     def boom(*args, **kwargs):
         raise ValueError("boom")
@@ -186,7 +187,9 @@ def test_demo_failure_mid_run_gets_its_own_line(capsys, monkeypatch, tiny):
     )
     err = capsys.readouterr().err
     assert rc == 2
-    assert "decoding" in err and "\njaxkv demo: error: boom\n" in err
+    bar, line = err.rsplit("\r", 1)
+    assert "decoding" in bar and line == "jaxkv demo: error: boom\n"
+    assert bar.rsplit("\r", 1)[-1].strip() == ""  # the bar's line blanked before the message
 
 
 def test_decoded_text_stops_at_the_pad():
