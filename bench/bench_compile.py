@@ -54,7 +54,7 @@ def run_case(layers, frac, policy, *, prompt_len, steps, window, topk):
     model = Llama(cfg, rngs=nnx.Rngs(0))
     params = nnx.split(model)[1]
     cache = CacheConfig.for_model(
-        cfg, batch=1, max_len=prompt_len + steps + 8, block_size=16, hbm_capacity=frac
+        cfg, batch=1, max_len=prompt_len + steps + 8, block_size=16, hbm_fraction=frac
     )
     placement = PlacementConfig(policy=policy, window=window, attention="sparse", topk=topk)
     dec = Decoder(model, cache, placement, max_new_tokens=2 * steps + 2)

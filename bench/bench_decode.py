@@ -213,7 +213,7 @@ def run_case(args, model, profile, frac, placement, context, batch, policy_kwarg
         batch=batch,
         max_len=context + n_new + MARGIN,
         block_size=args.block_size,
-        hbm_capacity=frac,
+        hbm_fraction=frac,
         host_tier=args.host_tier,
     )
     dec = Decoder(
@@ -308,7 +308,7 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=2, default=str)
 
-    probe = CacheConfig.for_model(mc, batch=1, max_len=args.block_size)
+    probe = CacheConfig.for_model(mc, batch=1, max_len=args.block_size, hbm_fraction=1.0)
     prewarm_transfers(probe, ["auto"])
     jobs = [
         (c, b, *case) for c in args.context_list for b in args.batch_list for case in cases(args)

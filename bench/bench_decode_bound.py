@@ -224,7 +224,7 @@ def run_case(args, model, profile, frac, placement, fetch):
         batch=args.batch,
         max_len=args.context + n_new + MARGIN,
         block_size=args.block_size,
-        hbm_capacity=frac,
+        hbm_fraction=frac,
         fetch=fetch,
     )
     dec = Decoder(model, cfg, placement, max_new_tokens=n_new, profile=profile, impl=args.impl)
@@ -410,7 +410,7 @@ def main(argv=None) -> int:
                 json.dump(out, f, indent=2)
 
     dump()
-    probe = CacheConfig.for_model(mc, batch=args.batch, max_len=args.block_size)
+    probe = CacheConfig.for_model(mc, batch=args.batch, max_len=args.block_size, hbm_fraction=1.0)
     prewarm_transfers(probe, args.fetches)
     jobs = [(fetch, *c) for fetch in args.fetches for c in cases(args)]
     hdr = (

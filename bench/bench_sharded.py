@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     model = tiny_model(0)
     _, params = nnx.split(model)
     B, new = 4, args.new_tokens
-    cfg = CacheConfig.for_model(model.config, batch=B, max_len=256, block_size=8, hbm_capacity=0.25)
+    cfg = CacheConfig.for_model(model.config, batch=B, max_len=256, block_size=8, hbm_fraction=0.25)
     pl = PlacementConfig(policy=args.policy, window=args.window, attention=args.attention, topk=0.3)
     prompts = np.asarray(jax.random.randint(jax.random.key(7), (B, 120), 0, 256), np.int32)
     lens = np.array([120, 90, 101, 64], np.int32)

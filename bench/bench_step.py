@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     res = {}
     for pol, mode in CASES:
         cfg = CacheConfig.for_model(
-            mc, batch=1, max_len=T + (args.reps + 1) * n + 8, hbm_capacity=args.hbm_fraction
+            mc, batch=1, max_len=T + (args.reps + 1) * n + 8, hbm_fraction=args.hbm_fraction
         )
         placement = PlacementConfig(policy=pol, window=args.window, attention=mode)
         dec = Decoder(model, cfg, placement, max_new_tokens=(args.reps + 1) * n + 6)

@@ -76,13 +76,13 @@ def _config(mc, batch, max_len, bs, hbm, fp8) -> CacheConfig:
     """The cache of one run; `hbm`: "tails", a fraction (str or float) or an int (blocks)."""
     mode, age = parse_policy(fp8)
     if hbm == "tails":
-        cap = batch
+        cap = dict(hbm_blocks=batch)
     elif isinstance(hbm, int):
-        cap = hbm
+        cap = dict(hbm_blocks=hbm)
     else:
-        cap = float(hbm)
+        cap = dict(hbm_fraction=float(hbm))
     return CacheConfig.for_model(
-        mc, batch=batch, max_len=max_len, block_size=bs, hbm_capacity=cap, fp8=mode, fp8_age=age
+        mc, batch=batch, max_len=max_len, block_size=bs, fp8=mode, fp8_age=age, **cap
     )
 
 
@@ -237,7 +237,7 @@ def main(argv=None) -> int:
         "--equal-hbm-bytes",
         action="store_true",
         help="give each FP8 policy the HBM bytes FP8 off takes at that --hbm (pool plus ring, "
-        "in blocks at their storage bytes) instead of the same hbm_capacity",
+        "in blocks at their storage bytes) instead of the same pool in blocks",
     )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -291,7 +291,7 @@ def main(argv=None) -> int:
         profile=args.profile,
         device=str(jax.devices()[0].device_kind),
         jax=jax.__version__,
-        hbm_budget="equal bytes" if args.equal_hbm_bytes else "equal hbm_capacity",
+        hbm_budget="equal bytes" if args.equal_hbm_bytes else "equal hbm blocks",
         wall_s=time.perf_counter() - t0,
         rows=rows,
     )
@@ -305,7 +305,7 @@ def main(argv=None) -> int:
         + (
             "every FP8 policy gets the HBM bytes FP8 off takes (pool + ring)"
             if args.equal_hbm_bytes
-            else "the same hbm_capacity (in blocks) for every policy"
+            else "the same HBM pool (in blocks) for every policy"
         )
     )
     head = (
@@ -340,7 +340,7 @@ def main(argv=None) -> int:
         "share of block reads served in FP8; fp8 age:N keeps the last N tokens at full "
         "precision, age:0 only the tail; 'HBM mem' the HBM the KV takes against FP8 off: the "
         "pool at its storage bytes plus age's full-precision ring, which comes on top of "
-        "hbm_capacity)"
+        "the pool)"
     )
     return 0
 

@@ -111,7 +111,7 @@ def abstract_model(layers: int, shape: dict, max_len: int):
 def cache_config(mc, batch: int, max_len: int, **kw) -> CacheConfig:
     """The compile check's cache for model config `mc`: block 16, bf16, HBM 25% unless `kw`
     says otherwise (any CacheConfig field)."""
-    base = dict(block_size=16, hbm_capacity=0.25, dtype="bfloat16")
+    base = dict(block_size=16, hbm_fraction=0.25, dtype="bfloat16")
     return CacheConfig(
         num_layers=mc.num_layers,
         kv_heads=mc.num_kv_heads,
@@ -149,7 +149,7 @@ def build(
     max_len = context + new_tokens
     model = abstract_model(layers, shape, max_len)
     mc = model.config
-    cache_cfg = cache_config(mc, batch, max_len, hbm_capacity=hbm, fp8=fp8, fp8_age=fp8_age)
+    cache_cfg = cache_config(mc, batch, max_len, hbm_fraction=hbm, fp8=fp8, fp8_age=fp8_age)
     placement = PlacementConfig(policy=policy, attention=mode, topk=topk, window=window)
     dec = Decoder(model, cache_cfg, placement, max_new_tokens=new_tokens, profile="h200-pcie")
     params = gc.abstract(nnx.split(model)[1], host=lambda p, x: False)

@@ -95,6 +95,10 @@ def prefill(cache: TieredKVCache, k: jax.Array, v: jax.Array, lengths) -> Tiered
     _check_kv("v", v, (L, B, T, c.kv_heads, c.head_dim), c.jnp_dtype)
     if T > c.max_len:
         raise ValueError(f"prompt length T={T} exceeds max_len={c.max_len}")
+    if not isinstance(lengths, jax.core.Tracer) and not np.array_equal(lengths, np.round(lengths)):
+        raise ValueError(
+            f"lengths={np.asarray(lengths).tolist()}: expected whole numbers of tokens"
+        )
     lengths = jnp.asarray(lengths, jnp.int32)
     if lengths.shape != (B,):
         raise ValueError(f"lengths has shape {lengths.shape}, expected ({B},)")

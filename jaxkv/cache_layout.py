@@ -298,9 +298,9 @@ def check_host_pool(config: CacheConfig, platform: str | None = None) -> None:
             f"{GPU_HOST_LIMIT_VAR}={int(need / 2**30) + 8}, set before jax starts) or lower "
             + (
                 "max_len or batch (host_tier='write-through' keeps every block on host; "
-                "host_tier='exclusive' with a smaller host_capacity keeps only what HBM "
+                "host_tier='exclusive' with a smaller host_* capacity keeps only what HBM "
                 "does not hold)"
                 if config.write_through
-                else "max_len, batch or host_capacity"
+                else "max_len, batch or the host_* capacity"
             )
         )

@@ -4,14 +4,101 @@ Subcommands are plugins: a module exposing `add_cli(subparsers)`, which adds its
 `func(args) -> int`. The library's own (`simulate`) are listed here; commands that need a model
 (`demo`, `generate`, `trace`) live in the `models` package and register through the
 `jaxkv.commands` entry-point group in pyproject.toml, so the library never imports `models`.
+
+Ctrl-C (SIGINT) ends any command with exit status 130 and one line on stderr, no traceback:
+`main` turns the KeyboardInterrupt into that line, and a watchdog thread, woken by the signal
+itself (`signal.set_wakeup_fd`), ends the process `INTERRUPT_GRACE_S` seconds later if the
+main thread has not got there (it may sit in a compilation or a device computation, which see
+the signal only when they return). Output files are written through `atomic_output`, so an
+interrupt or a failure leaves no half-written file (the watchdog removes the temporary ones).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
+import signal
+import socket
 import sys
+import tempfile
+import threading
 from importlib.metadata import entry_points
+from pathlib import Path
+
+INTERRUPT_GRACE_S = 2.0  # the watchdog's wait for the main thread after Ctrl-C
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+_TEMPS: set[str] = set()  # temporary output files being written (`atomic_output`)
+
+
+@contextlib.contextmanager
+def atomic_output(path, suffix: str = ""):
+    """Yields a temporary path beside `path` to write the output to; on success renames it to
+    `path` (with a normal file's mode), on any exception or interrupt removes it, so `path` is
+    never half-written. `suffix`: the temporary file's (e.g. ".png" for matplotlib)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(
+        suffix=suffix or path.suffix, prefix=f".{path.name}.", dir=path.parent
+    )
+    os.close(fd)
+    _TEMPS.add(tmp)
+    try:
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600
+        os.replace(tmp, path)
+    finally:
+        _TEMPS.discard(tmp)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _interrupted_line(command: str) -> str:
+    return f"jaxkv {command}: interrupted (Ctrl-C); no output file was left half-written"
+
+
+def _start_watchdog(command: str, handled: threading.Event):
+    """After a SIGINT, ends the process with EXIT_INTERRUPTED once INTERRUPT_GRACE_S pass
+    without `handled` set (the main thread stuck in native code), removing temporary outputs.
+    Returns a function that stops the watchdog (and restores the previous wakeup fd). Only
+    from the main thread (signal.set_wakeup_fd); a no-op elsewhere."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    r, w = socket.socketpair()
+    w.setblocking(False)
+    try:
+        old = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+    except ValueError:
+        r.close(), w.close()
+        return lambda: None
+
+    def watch():
+        while True:
+            data = r.recv(64)
+            if not data:  # stopped
+                return
+            if signal.SIGINT in data:
+                break
+        if handled.wait(INTERRUPT_GRACE_S):
+            return
+        for tmp in list(_TEMPS):
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        clear = "\r\x1b[K" if os.isatty(2) else ""  # over a progress bar left mid-line
+        os.write(2, (clear + _interrupted_line(command) + "\n").encode())
+        os._exit(EXIT_INTERRUPTED)
+
+    threading.Thread(target=watch, name="jaxkv-interrupt", daemon=True).start()
+
+    def stop():
+        signal.set_wakeup_fd(old)
+        w.close()  # the watcher's recv returns b"": it ends
+
+    return stop
+
 
 _BUILTIN = {"simulate": "jaxkv.sim.cli"}
 
@@ -33,12 +120,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs a subcommand: its status; 2 with one error line for a ValueError; 130 with one
+    line for Ctrl-C (the module docstring)."""
     args = build_parser().parse_args(argv)
+    handled = threading.Event()
+    stop = _start_watchdog(args.command, handled)
     try:
         return int(args.func(args) or 0)
     except ValueError as e:
         print(f"jaxkv {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        handled.set()
+        print(_interrupted_line(args.command), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    finally:
+        handled.set()
+        stop()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,24 @@ HOST_TIERS = ("write-through", "exclusive")  # CacheConfig.host_tier
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
+_UNITS = ("fraction", "blocks", "bytes")  # the capacity keywords' units: hbm_<unit>, host_<unit>
+
+
+def _old_capacity_message(tier: str, value) -> str:
+    """The message refusing `hbm_capacity=` / `host_capacity=`, naming the keyword to use."""
+    if isinstance(value, (float, np.floating)):
+        use = f"{tier}_fraction={value!r}"
+    elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        use = f"{tier}_blocks={value!r} (if blocks per layer) or {tier}_bytes={value!r} (if bytes)"
+    else:
+        use = f"{tier}_fraction=, {tier}_blocks= or {tier}_bytes="
+    return (
+        f"{tier}_capacity={value!r} is no longer accepted (an int meant blocks and a float a "
+        f"fraction): say {use}; {tier}_fraction is a fraction in (0, 1] of the KV footprint, "
+        f"{tier}_blocks blocks per layer, {tier}_bytes bytes across all layers"
+    )
+
+
 def _positive_int(name: str, value, minimum: int = 1) -> None:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -77,11 +95,26 @@ def check_number(
 class CacheConfig:
     """Geometry and capacities of a TieredKVCache.
 
-    Capacities are per layer, in blocks. `hbm_capacity` and `host_capacity` accept an int (blocks)
-    or a float in (0, 1] (a fraction of the KV footprint `batch * max_blocks`). The HBM capacity
-    includes one tail block per sequence: the block being filled always lives in HBM, so it must
-    be at least `batch`. `host_capacity=None` sizes the host pool for `host_tier`: every block
-    (write-through), or everything that does not fit in HBM (exclusive).
+    The HBM capacity is said once, in exactly one of three units:
+      hbm_fraction: a fraction in (0, 1] of the KV footprint `batch * max_blocks` blocks per
+        layer (rounded up; 1.0 = all-HBM);
+      hbm_blocks: HBM blocks per layer (K and V of one block of every KV head), at most the
+        footprint;
+      hbm_bytes: bytes of HBM for the KV pools of ALL layers together (what a memory budget
+        says), counted at `hbm_block_bytes` a block: `hbm_bytes // (num_layers *
+        hbm_block_bytes)` blocks per layer, capped at the footprint (a budget larger than the
+        KV holds all of it). Under fp8="age" the full-precision ring comes on top.
+    A float is never read as blocks nor an int as a fraction: `hbm_fraction=25` (a percentage)
+    and `hbm_blocks` above the footprint (bytes meant as blocks) raise ValueError naming the
+    keyword meant. The HBM capacity includes one tail block per sequence: the block being
+    filled always lives in HBM, so it must be at least `batch` blocks per layer. The resolved
+    size is `hbm_slots`. The host tier takes at most one of `host_fraction`, `host_blocks`,
+    `host_bytes` (same units); none sizes the host pool (`host_slots`) for `host_tier`: every
+    block (write-through), or everything that does not fit in HBM (exclusive). The former
+    `hbm_capacity=` / `host_capacity=` (an int meaning blocks and a float a fraction, so `1`
+    was one block and `1.0` all of them) are refused with a message naming the keyword to
+    use: the rule read 8_000_000 bytes as every block and 25 percent as 25 blocks without a
+    word.
 
     Attributes:
       num_layers, kv_heads, head_dim: model geometry.
@@ -117,7 +150,7 @@ class CacheConfig:
         dequantized (rounded when it is sealed), so the two copies always agree and exact
         attention does not depend on placement. "exclusive": every block lives in exactly one
         tier; a demotion writes the block back over the link. For hosts smaller than the KV
-        (`host_capacity` below `batch * max_blocks`).
+        (a host_* capacity below `batch * max_blocks`).
     """
 
     num_layers: int
@@ -126,16 +159,26 @@ class CacheConfig:
     batch: int = 1
     max_len: int = 2048
     block_size: int = 16
-    hbm_capacity: int | float = 1.0
-    host_capacity: int | float | None = None
+    hbm_fraction: float | None = None
+    hbm_blocks: int | None = None
+    hbm_bytes: int | None = None
+    host_fraction: float | None = None
+    host_blocks: int | None = None
+    host_bytes: int | None = None
     dtype: str = "float32"
     host_memory_kind: str = HOST_KIND
     fetch: str = "auto"
     fp8: str = "off"
     fp8_age: int = 0
     host_tier: str = "write-through"
+    # refused with a message naming the keyword to use (see the docstring); never stored
+    hbm_capacity: dataclasses.InitVar[object] = None
+    host_capacity: dataclasses.InitVar[object] = None
 
-    def __post_init__(self):
+    def __post_init__(self, hbm_capacity=None, host_capacity=None):
+        for tier, old in (("hbm", hbm_capacity), ("host", host_capacity)):
+            if old is not None:
+                raise ValueError(_old_capacity_message(tier, old))
         if self.host_tier not in HOST_TIERS:
             raise ValueError(f"host_tier must be one of {HOST_TIERS}, got {self.host_tier!r}")
         if self.fp8 not in FP8_MODES:
@@ -163,24 +206,24 @@ class CacheConfig:
         hbm = self.hbm_slots  # validates the capacity spec
         if hbm < self.batch:
             raise ValueError(
-                f"hbm_capacity={self.hbm_capacity!r} gives {hbm} HBM blocks per layer, but each "
-                f"of the batch={self.batch} sequences needs one HBM tail block: expected "
-                f">= {self.batch}"
+                f"{self._spec('hbm')} gives {hbm} HBM blocks per layer, but each of the "
+                f"batch={self.batch} sequences needs one HBM tail block: expected >= "
+                f"{self.batch} blocks per layer{self._bytes_hint('hbm', self.batch)}"
             )
         if self.write_through and self.host_slots < self.total_blocks:
             raise ValueError(
-                f"host_capacity={self.host_capacity!r} gives {self.host_slots} host blocks per "
-                f"layer, but host_tier='write-through' keeps a host copy of every block: "
-                f"expected {self.total_blocks} (batch={self.batch} x {self.max_blocks} blocks of "
-                f"{self.block_size} tokens for max_len={self.max_len}), or None; for a host "
-                "smaller than the KV use host_tier='exclusive'"
+                f"{self._spec('host')} gives {self.host_slots} host blocks per layer, but "
+                f"host_tier='write-through' keeps a host copy of every block: expected "
+                f"{self.total_blocks} (batch={self.batch} x {self.max_blocks} blocks of "
+                f"{self.block_size} tokens for max_len={self.max_len}), or no host_* capacity; "
+                "for a host smaller than the KV use host_tier='exclusive'"
             )
         if hbm + self.host_slots < self.total_blocks:
             raise ValueError(
-                f"host_capacity={self.host_capacity!r} gives {self.host_slots} host blocks per "
-                f"layer; with {hbm} HBM blocks the cache needs at least "
-                f"{self.total_blocks - hbm} to hold batch={self.batch} x max_len={self.max_len} "
-                f"tokens ({self.total_blocks} blocks of {self.block_size})"
+                f"{self._spec('host')} gives {self.host_slots} host blocks per layer; with {hbm} "
+                f"HBM blocks the cache needs at least {self.total_blocks - hbm} to hold "
+                f"batch={self.batch} x max_len={self.max_len} tokens ({self.total_blocks} "
+                f"blocks of {self.block_size}){self._bytes_hint('host', self.total_blocks - hbm)}"
             )
 
     @classmethod
@@ -201,18 +244,68 @@ class CacheConfig:
         )
         return cls(**{**geometry, **kwargs})
 
-    def _blocks(self, name: str, spec) -> int:
-        if isinstance(spec, bool):
-            raise ValueError(f"{name} must be an int (blocks) or a float fraction, got {spec!r}")
-        if isinstance(spec, (float, np.floating)):
-            if not 0.0 < spec <= 1.0:
-                raise ValueError(f"{name} as a fraction must lie in (0, 1], got {spec!r}")
-            return max(1, math.ceil(spec * self.total_blocks))
-        if isinstance(spec, (int, np.integer)):
-            if spec < 0:
-                raise ValueError(f"{name} must be >= 0 blocks, got {spec!r}")
-            return min(int(spec), self.total_blocks)
-        raise ValueError(f"{name} must be an int (blocks) or a float fraction, got {spec!r}")
+    def _spec(self, tier: str) -> str:
+        """The capacity keyword given for `tier` ("hbm" or "host") as `name=value`."""
+        given = [f"{tier}_{u}={getattr(self, f'{tier}_{u}')!r}" for u in _UNITS]
+        given = [g for g in given if not g.endswith("=None")]
+        return given[0] if given else f"no {tier}_* capacity"
+
+    def _bytes_hint(self, tier: str, blocks: int) -> str:
+        if getattr(self, f"{tier}_bytes") is None:
+            return ""
+        per = self.num_layers * getattr(self, f"{tier}_block_bytes")
+        return (
+            f" ({self.num_layers} layers x {per // self.num_layers:,} bytes per block = "
+            f"{per:,} bytes a block across layers: {tier}_bytes >= {blocks * per:,})"
+        )
+
+    def _blocks(self, tier: str) -> int | None:
+        """Blocks per layer that `tier`'s capacity keywords give, validated; None when none is
+        given (allowed for the host tier only)."""
+        given = {u: getattr(self, f"{tier}_{u}") for u in _UNITS}
+        given = {u: v for u, v in given.items() if v is not None}
+        names = ", ".join(f"{tier}_{u}=" for u in _UNITS)
+        if len(given) > 1:
+            said = ", ".join(f"{tier}_{u}={v!r}" for u, v in given.items())
+            raise ValueError(f"{said}: expected exactly one of {names} (the same capacity, once)")
+        if not given:
+            if tier == "host":
+                return None
+            raise ValueError(
+                f"no HBM capacity given: expected exactly one of {names} (e.g. hbm_fraction=1.0, "
+                f"all {self.total_blocks} blocks per layer of the KV footprint, in HBM)"
+            )
+        ((unit, value),) = given.items()
+        name, total = f"{tier}_{unit}", self.total_blocks
+        if isinstance(value, np.generic):
+            value = value.item()
+        if unit == "fraction":
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1:
+                hint = f" ({value:g}% is {name}={value / 100:g})" if value <= 100 else ""
+                raise ValueError(
+                    f"{name}={value!r}: expected a fraction in (0, 1] of the KV footprint "
+                    f"({total} blocks per layer){hint}; for a block count say {tier}_blocks=, "
+                    f"for bytes {tier}_bytes="
+                )
+            check_number(name, value, low=0.0, high=1.0, low_open=True)
+            return max(1, math.ceil(value * total))
+        if isinstance(value, float) and unit == "blocks" and 0 < value <= 1:
+            raise ValueError(
+                f"{name}={value!r}: expected a whole number of blocks per layer; for a fraction "
+                f"of the KV footprint say {tier}_fraction={value!r}"
+            )
+        check_number(name, value, low=0, integer=True)
+        if unit == "blocks":
+            if value > total:
+                raise ValueError(
+                    f"{name}={value:,}: more than the KV footprint of {total:,} blocks per layer "
+                    f"(batch={self.batch} x {self.max_blocks} blocks of {self.block_size} "
+                    f"tokens): expected <= {total:,}; a byte budget is {tier}_bytes={value}, "
+                    f"all of the footprint {tier}_fraction=1.0"
+                )
+            return value
+        per = self.num_layers * getattr(self, f"{tier}_block_bytes")
+        return min(value // per, total)
 
     @property
     def jnp_dtype(self):
@@ -230,8 +323,8 @@ class CacheConfig:
 
     @property
     def hbm_slots(self) -> int:
-        """HBM blocks per layer, tail buffer included."""
-        return self._blocks("hbm_capacity", self.hbm_capacity)
+        """HBM blocks per layer, tail buffer included: what the hbm_* keyword gives."""
+        return self._blocks("hbm")
 
     @property
     def hbm_pool_slots(self) -> int:
@@ -246,12 +339,17 @@ class CacheConfig:
 
     @property
     def host_slots(self) -> int:
-        """Host slots per layer (at least 1, so the host pool always exists)."""
-        if self.host_capacity is None:
-            if self.write_through:
-                return self.total_blocks
-            return max(1, self.total_blocks - self.hbm_slots)
-        return max(1, self._blocks("host_capacity", self.host_capacity))
+        """Host slots per layer (at least 1, so the host pool always exists): what the host_*
+        keyword gives, else every block (write-through) or every block that does not fit in
+        HBM (exclusive)."""
+        host = self._blocks("host")
+        if host is None:
+            return (
+                self.total_blocks
+                if self.write_through
+                else max(1, self.total_blocks - self.hbm_slots)
+            )
+        return max(1, host)
 
     @property
     def block_bytes(self) -> int:

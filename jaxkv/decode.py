@@ -68,6 +68,7 @@ from jaxkv.decode_setup import (
     state_with_window,
 )
 from jaxkv.decode_state import (
+    PAD_ID,
     DecodeState,
     Metrics,
     PlacementState,
@@ -90,6 +91,8 @@ __all__ = [
     "Decoder",
     "Greedy",
     "Metrics",
+    "NonFiniteLogitsError",
+    "PAD_ID",
     "PlacementState",
     "Sampling",
     "SamplingState",
@@ -283,10 +286,12 @@ class Decoder:
         """One decode step for every unfinished sequence (the state is donated): `window_step`
         when the step ends a window, else `decode_step`, chosen on the device.
 
-        Raises ValueError once the state holds max_new_tokens tokens (it reads the state's
-        step counter, which waits for the previous step; `decode_step` / `window_step` are
+        Raises ValueError once the state holds max_new_tokens tokens, NonFiniteLogitsError
+        when the state's logits were not finite (`generate`) (it reads the state's step counter,
+        which waits for the previous step; `decode_step` / `window_step` are
         the unchecked jits, where a step past the end leaves every sequence as it is)."""
         self._check_state(state, "Decoder.step")
+        check_finite(state)  # the previous step's logits (it waits for that step anyway)
         done = int(state.sampling.step)
         if done >= self.max_new_tokens - 1:
             raise ValueError(
@@ -297,11 +302,18 @@ class Decoder:
 
     def generate(self, params, state: DecodeState, until: int | None = None) -> DecodeState:
         """Decodes until `until` steps (default: max_new_tokens - 1), EOS everywhere, or a full
-        cache. `until` is a traced value: calling in chunks does not recompile. The state is
-        donated: use the one returned."""
+        cache (the state is donated: use the one returned). `until` is a traced value: calling
+        in chunks does not recompile.
+
+        Raises NonFiniteLogitsError (a FloatingPointError; `.state` holds the state) naming the
+        first step and sequence whose logits held a NaN or inf, e.g. from NaN weights: read
+        once after the loop (the loop itself never syncs with the host), which stops such a
+        sequence at that step."""
         self._check_state(state, "Decoder.generate")
         until = self.max_new_tokens - 1 if until is None else min(until, self.max_new_tokens - 1)
-        return self._generate(params, state, jnp.int32(until))
+        state = self._generate(params, state, jnp.int32(until))
+        check_finite(state)
+        return state
 
     def score(self, params, state: DecodeState, tokens) -> tuple[DecodeState, jax.Array]:
         """Teacher forcing: decodes with `tokens` [batch, n] fed one a step in place of the
@@ -361,7 +373,8 @@ class Decoder:
         first = self.sampler(pre.last_logits, sub)
         pol = self.policy.init(c.num_layers, c.batch * c.max_blocks)
         done, w, n = is_eos(first, self.eos_id), self.placement.window, self.max_new_tokens
-        return initial_state(cache, first, done, key, w, pol, n, self.ema_decay)
+        bad = jnp.where(jnp.all(jnp.isfinite(pre.last_logits), axis=-1), -1, 0).astype(jnp.int32)
+        return initial_state(cache, first, done, key, w, pol, n, self.ema_decay, bad)
 
     def _active(self, state: DecodeState):
         """[batch] bool: the sequences this step decodes (not done, room in the cache and in
@@ -471,14 +484,19 @@ class Decoder:
 
     def _sample(self, sm: SamplingState, logits, active):
         """The next token of every active sequence (the others keep theirs), in the token
-        buffer, and which sequences are done: (key, next, tokens, done)."""
+        buffer, which sequences are done, and the first step whose logits were not finite:
+        (key, next, tokens, done, bad_step). A sequence with non-finite logits stops there
+        (its token is PAD_ID)."""
         key, sub = jax.random.split(sm.key)
+        col = jnp.minimum(sm.step + 1, self.max_new_tokens - 1)
+        bad = active & ~jnp.all(jnp.isfinite(logits), axis=-1)
+        bad_step = jnp.where(bad & (sm.bad_step < 0), col, sm.bad_step)
+        active = active & ~bad
         nxt = self.sampler(logits, sub)
         nxt = jnp.where(active, nxt, sm.last)
-        col = jnp.minimum(sm.step + 1, self.max_new_tokens - 1)
         tokens = sm.tokens.at[:, col].set(jnp.where(active, nxt, sm.tokens[:, col]))
-        done = sm.done | (active & is_eos(nxt, self.eos_id))
-        return key, nxt, tokens, done
+        done = sm.done | bad | (active & is_eos(nxt, self.eos_id))
+        return key, nxt, tokens, done, bad_step
 
     def _step_latency(self, hbm_b, host_b, moved, promoted, demoted, link_mig=None):
         """[] f32: the step's modeled seconds (`jaxkv.cost.layer_step_time`, summed over the
@@ -582,6 +600,35 @@ class Decoder:
             return (s.sampling.step < until) & ~jnp.all(s.sampling.done) & ~full
 
         return jax.lax.while_loop(cond, lambda s: self._either_step(params, s), state)
+
+
+class NonFiniteLogitsError(FloatingPointError):
+    """A decode produced NaN or inf logits (`Decoder.generate`); `.state` is the state."""
+
+    def __init__(self, message: str, state: DecodeState):
+        super().__init__(message)
+        self.state = state
+
+
+def check_finite(state: DecodeState) -> None:
+    """Raises NonFiniteLogitsError naming the first step (the token column; 0 is the
+    prefill's) and the sequences whose logits held a NaN or inf, if any (one host read)."""
+    bad = np.asarray(state.sampling.bad_step).reshape(-1)
+    if (bad < 0).all():
+        return
+    first = int(bad[bad >= 0].min())
+    rows = np.flatnonzero(bad == first).tolist()
+    others = np.flatnonzero(bad > first).tolist()
+    where = "the prefill (step 0)" if first == 0 else f"decode step {first}"
+    raise NonFiniteLogitsError(
+        f"the logits of sequence{'s' if len(rows) > 1 else ''} {rows} held NaN or inf at "
+        f"{where}, the token at column {first} of state.tokens"
+        + (f" (sequences {others} later)" if others else "")
+        + ": expected finite logits; the model's weights or activations are not finite (NaN "
+        f"weights, an overflow in the cache's dtype); those sequences stopped there (tokens "
+        f"after are {PAD_ID})",
+        state,
+    )
 
 
 def _window_due(state: DecodeState):

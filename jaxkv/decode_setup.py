@@ -101,7 +101,7 @@ def live_policy(p: PlacementConfig, env: CostModel, overrides: dict):
     if base == "unlimited":
         raise ValueError(
             f"policy {p.policy!r} is the Unlimited-HBM bound (every block in HBM), not a "
-            "placement: use hbm_capacity=1.0 for an all-HBM decode, or an online policy "
+            "placement: use hbm_fraction=1.0 for an all-HBM decode, or an online policy "
             "(e.g. 'lru', 'anneal' or 'anneal+reuse+follow')"
         )
     if not BASES[base].online:
@@ -255,16 +255,55 @@ def check_prompts(prompts, lengths, cache_config: CacheConfig, vocab_size: int):
     if not jnp.issubdtype(prompts.dtype, jnp.integer):
         raise ValueError(f"prompts has dtype {prompts.dtype}, expected an integer dtype")
     T = prompts.shape[1]
+    if T == 0:
+        raise ValueError(
+            f"the prompts are empty (shape {tuple(prompts.shape)}: 0 tokens): expected at least "
+            "one token per sequence"
+        )
     if T > c.max_len:
         raise ValueError(
             f"prompt length {T} exceeds the cache's max_len={c.max_len}: the cache cannot "
             "hold the prompt"
         )
     lengths = np.full((c.batch,), T) if lengths is None else np.asarray(lengths)
-    if lengths.shape != (c.batch,) or (lengths < 1).any() or (lengths > T).any():
-        raise ValueError(f"lengths={lengths.tolist()} must be {c.batch} values in [1, {T}]")
+    said = lengths.tolist()
+    if lengths.shape != (c.batch,):
+        raise ValueError(
+            f"lengths={said}: expected {c.batch} prompt lengths, one per sequence (batch={c.batch})"
+        )
+    check_lengths(lengths, T)
     _check_token_ids(prompts, lengths, vocab_size)
     return prompts, lengths
+
+
+def check_lengths(lengths, T: int) -> None:
+    """ValueError unless every prompt length is a whole number in [1, T] (T: the prompts'
+    width), naming the first sequence that is not: a fraction is not truncated, an empty
+    prompt is not an index range."""
+    lengths = np.asarray(lengths)
+    if lengths.dtype == bool or not np.issubdtype(lengths.dtype, np.number):
+        raise ValueError(f"lengths={lengths.tolist()}: expected whole numbers of tokens")
+    frac = np.flatnonzero(lengths != np.round(lengths))
+    if frac.size:
+        b = int(frac[0])
+        raise ValueError(
+            f"lengths={lengths.tolist()}: sequence {b}'s length {lengths[b].item()!r} is not a "
+            "whole number of tokens"
+        )
+    empty = np.flatnonzero(lengths < 1)
+    if empty.size:
+        b = int(empty[0])
+        raise ValueError(
+            f"lengths={lengths.tolist()}: sequence {b}'s prompt is empty ({lengths[b].item()!r} "
+            "tokens): expected at least one token"
+        )
+    over = np.flatnonzero(lengths > T)
+    if over.size:
+        b = int(over[0])
+        raise ValueError(
+            f"lengths={lengths.tolist()}: sequence {b}'s length {lengths[b].item()!r} exceeds the "
+            f"prompts' width T={T}: expected at most {T}"
+        )
 
 
 def check_prefilled(pre, prompts, lengths, model_config) -> None:

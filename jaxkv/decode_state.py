@@ -4,7 +4,8 @@ its host-side summary.
 `DecodeState` is the pytree a Decoder's prefill returns and its steps take (donated) and
 return. It nests:
   cache       the `TieredKVCache` (`jaxkv.cache`)
-  sampling    `SamplingState`: the tokens so far, the next input, finished sequences, the PRNG key
+  sampling    `SamplingState`: the tokens so far (PAD_ID after a sequence's last), the next
+              input, finished sequences, the first step with non-finite logits, the PRNG key
   placement   `PlacementState`: window bookkeeping (W, steps since the last plan, this window's
               HBM hit counts) and the placement policy's own state
   statistics  `Statistics`: per-block read statistics the policy plans from
@@ -30,6 +31,8 @@ from jaxkv._pytree import pytree_dataclass, replace
 from jaxkv.cache_layout import ring_window
 from jaxkv.config import CacheConfig
 
+PAD_ID = -1  # the token buffer's entry after a sequence's last token (never a valid id)
+
 
 @pytree_dataclass
 class Metrics:
@@ -46,11 +49,17 @@ class Metrics:
 
 @pytree_dataclass
 class SamplingState:
-    tokens: jax.Array  # [batch, max_new_tokens] int32; column 0 is the token sampled at prefill
+    # [batch, max_new_tokens] int32; column 0 is the token sampled at prefill, column s the
+    # one decode step s sampled; PAD_ID (-1) after a sequence's last token (EOS, a full cache,
+    # or steps not taken yet): `DecodeState.lengths` counts the rest
+    tokens: jax.Array
     last: jax.Array  # [batch] int32: the next input token
-    done: jax.Array  # [batch] bool: finished (EOS)
+    done: jax.Array  # [batch] bool: finished (EOS, or non-finite logits)
     step: jax.Array  # [] int32: decode steps taken
     key: jax.Array  # PRNG key
+    # [batch] int32: the first token column whose logits held a NaN or inf (0: the prefill's),
+    # -1 if none; `Decoder.generate` raises NonFiniteLogitsError on it after the loop
+    bad_step: jax.Array
 
 
 @pytree_dataclass
@@ -85,6 +94,12 @@ class DecodeState:
     @property
     def step(self) -> jax.Array:
         return self.sampling.step
+
+    @property
+    def lengths(self) -> jax.Array:
+        """[batch] int32: tokens each sequence generated (the prefill's included): the entries
+        of `tokens[b]` before its PAD_ID padding."""
+        return jnp.sum(self.sampling.tokens != PAD_ID, axis=1, dtype=jnp.int32)
 
     @property
     def done(self) -> jax.Array:
@@ -123,8 +138,11 @@ class Prefilled:
     lengths: jax.Array  # [batch] int32: prompt lengths
 
 
-def initial_state(cache, first, done, key, window: int, policy, max_new_tokens: int, decay: float):
-    """The DecodeState after prefill: `first` [batch] sampled tokens (`done` those that stop),
+def initial_state(
+    cache, first, done, key, window: int, policy, max_new_tokens: int, decay: float, bad_step
+):
+    """The DecodeState after prefill: `first` [batch] sampled tokens (`done` those that stop;
+    `bad_step` [batch] int32 0 where the prefill's logits were not finite, else -1),
     the first window of `window` steps with the policy's initial state, and empty statistics
     and metrics over `max_new_tokens` steps (read statistics decaying by `decay` a step)."""
     L, B, M = cache.tier.shape
@@ -132,11 +150,12 @@ def initial_state(cache, first, done, key, window: int, policy, max_new_tokens: 
     return DecodeState(
         cache=cache,
         sampling=SamplingState(
-            tokens=jnp.zeros((B, max_new_tokens), jnp.int32).at[:, 0].set(first),
+            tokens=jnp.full((B, max_new_tokens), PAD_ID, jnp.int32).at[:, 0].set(first),
             last=first,
-            done=done,
+            done=done | (bad_step == 0),
             step=jnp.int32(0),
             key=key,
+            bad_step=bad_step,
         ),
         placement=new_window(jnp.int32(window), jnp.float32(0), policy),
         statistics=Statistics(
@@ -179,14 +198,15 @@ def record_step(
       c: the cache's config.
       state: the state before the step.
       cache: the cache after the step.
-      sampled: (key, next tokens [batch], token buffer, done [batch]) after sampling.
+      sampled: (key, next tokens [batch], token buffer, done [batch], bad_step [batch]) after
+        sampling.
       reads: (read_hbm, read_host, mass), [layers, batch, max_blocks]: the step's block reads.
       promoted, demoted: [layers] int32 blocks the step's follow moves migrated.
 
     Returns:
       (state, hbm_b, host_b): the KV bytes the step read from each tier, [layers] f32."""
     L, N = c.num_layers, c.batch * c.max_blocks
-    key, nxt, tokens, done = sampled
+    key, nxt, tokens, done, bad_step = sampled
     read_hbm, read_host, mass = reads
     step = state.sampling.step
     read = read_hbm | read_host
@@ -216,7 +236,9 @@ def record_step(
     pl = state.placement
     state = DecodeState(
         cache=cache,
-        sampling=SamplingState(tokens=tokens, last=nxt, done=done, step=step + 1, key=key),
+        sampling=SamplingState(
+            tokens=tokens, last=nxt, done=done, step=step + 1, key=key, bad_step=bad_step
+        ),
         placement=replace(
             pl,
             since_plan=pl.since_plan + 1,

@@ -335,11 +335,11 @@ class ShardedDecoder:
         if prompts.ndim != 2 or prompts.shape[0] != B:
             raise ValueError(f"prompts has shape {prompts.shape}, expected ({B}, T)")
         lengths = np.full((B,), prompts.shape[1], np.int32) if lengths is None else lengths
-        lengths = np.asarray(lengths, np.int32)
         # the single-device checks (ids, lengths against max_len), before anything runs
         from jaxkv.decode_setup import check_prompts
 
         check_prompts(prompts, lengths, self.cache_config, self.model_config.vocab_size)
+        lengths = np.asarray(lengths, np.int32)  # whole numbers: checked
         nd = self.mesh.shape[DATA]
         data = NamedSharding(self.mesh, P(DATA))
         p = global_array(prompts.reshape(nd, B // nd, -1), data)

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxkv.cli import atomic_output
 from jaxkv.config import PROFILES, CacheConfig, PlacementConfig, check_number
 from jaxkv.decode import Decoder, summarize
 from jaxkv.presets import split_policies
@@ -214,6 +215,7 @@ def run_demo_parts(
         disable=not progress,
         unit="tok",
         file=sys.stderr,
+        leave=False,  # gone on Ctrl-C too: the interrupt is one line
     ) as bar:
         return [
             _run_part(
@@ -261,17 +263,19 @@ def _run_part(
             batch=1,
             max_len=prompt_len + new_tokens,
             block_size=block_size,
-            hbm_capacity=frac,
+            hbm_fraction=frac,
         )
         placement = PlacementConfig(policy=policy, window=window, attention=attention)
         dec = Decoder(model, cfg, placement, max_new_tokens=new_tokens, profile=profile)
         bar.set_postfix_str(f"{attention}: {name}")
         if prefilled is None:
-            bar.set_postfix_str(f"{attention}: prefill of {prompt_len} tokens")
+            bar.set_postfix_str(f"{attention}: compiling and running the prefill of {prompt_len}")
             prefilled = text["prefilled"] = dec.model_prefill(params, prompt)
+        bar.set_postfix_str(f"{attention}: {name}, compiling")  # the first chunk compiles
         state = dec.prefill(params, prompt, prefilled=prefilled)
         state = dec.generate(params, state, until=chunk)  # compiles; not timed
         jax.block_until_ready(state)
+        bar.set_postfix_str(f"{attention}: {name}")
         bar.update(int(state.step))
         t0, s0 = time.perf_counter(), int(state.step)
         while int(state.step) < new_tokens - 1:
@@ -411,8 +415,8 @@ def plot_report(reports: list[dict], path: Path) -> Path | None:
         ax_h.invert_yaxis()
     fig.suptitle(f"jaxkv demo: {reports[0]['model']}", fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with atomic_output(path, ".png") as tmp:  # no half-written figure on a failure or Ctrl-C
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
     return path
 

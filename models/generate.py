@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxkv import presets
 from jaxkv.config import CacheConfig, PlacementConfig, check_number
-from jaxkv.decode import Decoder, Greedy, Sampling, summarize
+from jaxkv.decode import PAD_ID, Decoder, Greedy, Sampling, summarize
 from jaxkv.quant import FP8_MODES
 from models.default import default_model
 from models.hf import (
@@ -163,9 +163,11 @@ def encode(tokenizer, text: str, vocab_size: int, *, special: bool = True) -> np
 
 
 def decode_text(tokenizer, ids, stop: tuple[int, ...] = ()) -> str:
-    """The text of `ids` up to (without) the first stop token; special tokens before it are
-    kept (a chat model's turn markers are part of what it said)."""
+    """The text of `ids` up to (without) the first stop token or the decoder's padding
+    (`jaxkv.decode.PAD_ID`, after a sequence's last token); special tokens before it are kept
+    (a chat model's turn markers are part of what it said)."""
     ids = [int(i) for i in ids]
+    ids = ids[: ids.index(PAD_ID)] if PAD_ID in ids else ids
     cut = [ids.index(t) for t in stop if t in ids]
     ids = ids[: min(cut)] if cut else ids
     if tokenizer is None:
@@ -210,7 +212,15 @@ def generate_text(
         label=lambda name: name,
     )
     # the FP8 settings, checked before the model loads (the model's geometry does not matter)
-    CacheConfig(num_layers=1, kv_heads=1, head_dim=1, block_size=16, fp8=fp8, fp8_age=fp8_age)
+    CacheConfig(
+        num_layers=1,
+        kv_heads=1,
+        head_dim=1,
+        hbm_fraction=1.0,
+        block_size=16,
+        fp8=fp8,
+        fp8_age=fp8_age,
+    )
     model, tokenizer = load_model(model_spec)
     mc = model.config
     if chat:
@@ -230,7 +240,7 @@ def generate_text(
         batch=1,
         max_len=max_len,
         block_size=16,
-        hbm_capacity=hbm_fraction,
+        hbm_fraction=hbm_fraction,
         fp8=fp8,
         fp8_age=fp8_age,
     )
@@ -247,7 +257,7 @@ def generate_text(
     _, params = nnx.split(model)
     state = dec.prefill(params, ids[None], key=jax.random.key(seed))
     state = dec.generate(params, state)
-    n = int(state.num_tokens)
+    n = int(state.lengths[0])  # the tokens before the PAD_ID padding
     return decode_text(tokenizer, np.asarray(state.tokens[0, :n]), stop), summarize(state)
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import cost
+from jaxkv.cli import atomic_output
 from jaxkv.config import CacheConfig, PlacementConfig, check_number
 from jaxkv.decode import Decoder
 from jaxkv.sim import trace as kvtrace
@@ -93,8 +94,10 @@ def record_trace(
 
     mc = model.config
     prompt_ids = np.asarray(prompt_ids, np.int32)
-    if prompt_ids.ndim != 1 or len(prompt_ids) < 1:
-        raise ValueError(f"prompt_ids has shape {prompt_ids.shape}, expected [T] with T >= 1")
+    if prompt_ids.ndim != 1:
+        raise ValueError(f"prompt_ids has shape {prompt_ids.shape}, expected [T] token ids")
+    if len(prompt_ids) < 1:
+        raise ValueError("the prompt is empty (0 tokens): expected at least one token")
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if not 0.0 <= sparsity < 1.0:
@@ -110,7 +113,7 @@ def record_trace(
         batch=1,
         max_len=max_len,
         block_size=block_size,
-        hbm_capacity=1.0,
+        hbm_fraction=1.0,
     )
     if sparsity == 0.0:
         placement = PlacementConfig(policy="static", attention="exact", window=1 << 20)
@@ -124,8 +127,12 @@ def record_trace(
     K = cfg.max_blocks
     ids = np.full((steps, mc.num_layers, K), -1, np.int32)
     mass = np.zeros((steps, mc.num_layers, K), np.float32)
-    for t in tqdm(range(steps), desc="recording", disable=not progress, file=sys.stderr):
+    bar = tqdm(range(steps), desc="recording", disable=not progress, file=sys.stderr, leave=False)
+    bar.set_postfix_str("compiling the step")  # the first step compiles: no 0% that hangs
+    for t in bar:
         state = dec.step(params, state)
+        if t == 0:
+            bar.set_postfix_str("")
         m = np.asarray(state.step_mass[:, 0]) / mc.num_heads  # [layers, max_blocks]
         n_ctx = kvtrace.context_blocks(len(prompt_ids), t, block_size)
         read = m[:, :n_ctx] > 0
@@ -152,19 +159,8 @@ def record_trace(
 def save_atomic(path: str | os.PathLike, trace: kvtrace.FileTrace, *, compact=False) -> None:
     """Writes the trace through a temporary file, so a failure leaves nothing half-written
     (`compact`: `jaxkv.sim.trace.save`'s int16 ids and float16 mass)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".npz", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_output(path, ".npz") as tmp:  # removed on a failure or Ctrl-C
         kvtrace.save(tmp, trace, compact=compact)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give it a normal file's mode
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def check_writable(path: str | os.PathLike, label: str = "out") -> None:
@@ -198,6 +194,10 @@ def _check_args(args) -> Path:
     if not text_path.is_file():
         what = "is a directory" if text_path.is_dir() else "file not found"
         raise ValueError(f"--prompt-file {str(text_path)!r}: {what}")
+    if not text_path.read_text(errors="replace").strip():
+        raise ValueError(
+            f"--prompt-file {str(text_path)!r}: the file is empty: expected the prompt's text"
+        )
     check_model_spec(args.model, "--model")
     check_number("--prompt-tokens", args.prompt_tokens, integer=True, low=0)
     check_number("--steps", args.steps, integer=True, low=1)

@@ -57,7 +57,7 @@ def main() -> int:
         batch=B,
         max_len=96,
         block_size=8,
-        hbm_capacity=0.25,
+        hbm_fraction=0.25,
         fp8=args.fp8,
         fp8_age=args.fp8_age,
     )

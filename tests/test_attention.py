@@ -27,7 +27,7 @@ def test_exact_attention_matches_dense(gqa, block_size, which):
         block_size=block_size,
         max_len=max_len,
         lengths=(length, max(1, length - 3)),
-        hbm_capacity=0.5,
+        hbm_fraction=0.5,
     )
     lengths = cache.lengths
     q = jax.random.normal(jax.random.key(1), (2, 2 * gqa, 8))
@@ -42,7 +42,7 @@ def test_exact_attention_matches_dense(gqa, block_size, which):
 
 
 def test_exact_attention_bf16():
-    cache, dk, dv = random_cache(jax.random.key(2), dtype="bfloat16", hbm_capacity=0.5)
+    cache, dk, dv = random_cache(jax.random.key(2), dtype="bfloat16", hbm_fraction=0.5)
     q = jax.random.normal(jax.random.key(1), (2, 8, 8)).astype(jnp.bfloat16)
     out, _ = tiered_attention(q, cache, 0, cache.lengths, PlacementConfig())
     ref = dense_attention_reference(q, dk[0], dv[0], cache.lengths)
@@ -50,7 +50,7 @@ def test_exact_attention_bf16():
 
 
 def test_all_hbm_and_all_host_agree():
-    cache, dk, dv = random_cache(jax.random.key(3), hbm_capacity=1.0, shuffle_moves=0)
+    cache, dk, dv = random_cache(jax.random.key(3), hbm_fraction=1.0, shuffle_moves=0)
     c = cache.config
     demoted, _ = kvc.migrate(
         cache, kvc.plan_moves(cache, jnp.zeros((2, c.total_blocks), bool), c.total_blocks)
@@ -127,7 +127,7 @@ def test_pallas_attention_matches_xla_in_interpreter(dtype, tol):
         head_dim=16,
         max_len=128,
         lengths=(100, 37),
-        hbm_capacity=0.5,
+        hbm_fraction=0.5,
         host_memory_kind="device",
     )
     q = jax.random.normal(jax.random.key(1), (2, 8, 16)).astype(dtype)
@@ -180,7 +180,7 @@ def test_window_reads_only_blocks_inside_it(window):
     """A sliding window (Mistral): exact tiered attention equals dense attention over the
     last `window` tokens, and reads only the blocks holding one of them (block size 4:
     windows on and off block boundaries, of one token and wider than the sequence)."""
-    cache, dk, dv = random_cache(jax.random.key(11), lengths=(21, 13), hbm_capacity=0.5)
+    cache, dk, dv = random_cache(jax.random.key(11), lengths=(21, 13), hbm_fraction=0.5)
     q = jax.random.normal(jax.random.key(12), (2, 4, 8))
     fn = jax.jit(lambda q, c, w: tiered_attention(q, c, 1, c.lengths, PlacementConfig(), window=w))
     out, stats = fn(q, cache, jnp.int32(window))
@@ -239,7 +239,7 @@ def test_window_pallas_matches_xla_in_interpreter():
         head_dim=16,
         max_len=128,
         lengths=(100, 37),
-        hbm_capacity=0.5,
+        hbm_fraction=0.5,
         host_memory_kind="device",
     )
     q = jax.random.normal(jax.random.key(1), (2, 8, 16))

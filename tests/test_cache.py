@@ -20,10 +20,10 @@ def kinds(cache):
 
 
 def _cfg(**kw):
-    base = dict(
-        num_layers=2, kv_heads=2, head_dim=8, batch=2, max_len=64, block_size=4, hbm_capacity=0.25
-    )
-    return CacheConfig(**{**base, **kw})
+    """The tests' cache; HBM 25% of the footprint unless `kw` gives another hbm_* capacity."""
+    capacity = {} if any(k.startswith("hbm_") for k in kw) else dict(hbm_fraction=0.25)
+    base = dict(num_layers=2, kv_heads=2, head_dim=8, batch=2, max_len=64, block_size=4)
+    return CacheConfig(**{**base, **capacity, **kw})
 
 
 def _append(cache, key, active):
@@ -40,7 +40,7 @@ def test_memory_kinds_kept_by_every_op(kind, tier):
     """Every op keeps the configured kinds outside jit by itself; inside a jit, pinned_host by
     itself and unpinned_host where the jit passes `cache_shardings` (and may then donate the
     cache). The property test in test_transfer.py checks the kinds under every mechanism."""
-    cfg = _cfg(batch=2, max_len=24, hbm_capacity=4, host_memory_kind=kind, host_tier=tier)
+    cfg = _cfg(batch=2, max_len=24, hbm_blocks=4, host_memory_kind=kind, host_tier=tier)
     want = ("device", "device", kind, kind)
     cache = kvc.TieredKVCache.create(cfg)
     assert kinds(cache) == want
@@ -73,7 +73,7 @@ def test_memory_kinds_kept_by_every_op(kind, tier):
 
 
 def test_prefill_fills_hbm_in_write_order_and_reconstructs():
-    cfg = _cfg(batch=1, hbm_capacity=4)  # 4 HBM blocks: 3 sealed + the tail
+    cfg = _cfg(batch=1, hbm_blocks=4)  # 4 HBM blocks: 3 sealed + the tail
     T = 22  # 5 sealed blocks of 4, tail holds 2 tokens
     k = jax.random.normal(jax.random.key(0), (2, 1, T, 2, 8))
     cache = kvc.prefill(kvc.TieredKVCache.create(cfg), k, -k, jnp.array([T]))
@@ -87,7 +87,7 @@ def test_prefill_fills_hbm_in_write_order_and_reconstructs():
 
 
 def test_append_seals_and_spills_then_matches_dense():
-    cfg = _cfg(batch=2, hbm_capacity=3)
+    cfg = _cfg(batch=2, hbm_blocks=3)
     k = jax.random.normal(jax.random.key(0), (2, 2, 7, 2, 8))
     cache = kvc.prefill(kvc.TieredKVCache.create(cfg), k, -k, jnp.array([7, 3]))
     ref_k = np.array(kvc.to_dense(cache)[0])
@@ -157,7 +157,7 @@ def test_migrate_one_layer_leaves_the_others():
 
 
 def test_compact_makes_dense_prefix():
-    cache, dk, dv = random_cache(jax.random.key(6), hbm_capacity=0.5)
+    cache, dk, dv = random_cache(jax.random.key(6), hbm_fraction=0.5)
     c = cache.config
     target = jnp.zeros((c.num_layers, c.total_blocks), bool)  # demote everything sealed
     holes, _ = kvc.migrate(cache, kvc.plan_moves(cache, target, c.total_blocks))
@@ -225,8 +225,15 @@ def test_error_prefill_lengths_out_of_range():
         kvc.prefill(cache, k, k, jnp.array([5, 0]))
 
 
+def test_error_prefill_fractional_lengths():
+    cache = kvc.TieredKVCache.create(_cfg())
+    k = jnp.zeros((2, 2, 5, 2, 8))
+    with pytest.raises(ValueError, match=r"^lengths=\[5.0, 3.5\]: expected whole numbers of tok"):
+        kvc.prefill(cache, k, k, [5, 3.5])
+
+
 def test_error_prefill_longer_than_cache():
-    cache = kvc.TieredKVCache.create(_cfg(max_len=8, hbm_capacity=2))
+    cache = kvc.TieredKVCache.create(_cfg(max_len=8, hbm_blocks=2))
     k = jnp.zeros((2, 2, 9, 2, 8))
     with pytest.raises(ValueError, match=r"prompt length T=9 exceeds max_len=8"):
         kvc.prefill(cache, k, k, jnp.array([9, 9]))
@@ -245,7 +252,7 @@ def test_compact_with_pallas_kernel_matches():
         head_dim=16,
         max_len=128,
         lengths=(100, 77),
-        hbm_capacity=0.5,
+        hbm_fraction=0.5,
         host_memory_kind="device",
     )
     c = cache.config

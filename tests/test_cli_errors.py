@@ -137,6 +137,8 @@ def test_simulate_trace_file_problems(capsys, tmp_path):
     (tmp_path / "cut.npz").write_bytes(data[: len(data) // 2])
     np.save(tmp_path / "arr.npy", np.zeros(3))
     (tmp_path / "dir.npz").mkdir()
+    (text := tmp_path / "text.npz").write_text("hello world\n")  # read as pickled data
+    (empty := tmp_path / "empty.npz").write_bytes(b"")
     cases = {
         str(tmp_path / "none.npz"): "none.npz': file not found",
         str(tmp_path / "dir.npz"): "dir.npz': is a directory, expected a .npz file",
@@ -160,6 +162,8 @@ def test_simulate_trace_file_problems(capsys, tmp_path):
         _write_npz(tmp_path / "o.npz", name=np.array(["a", None], object)): (
             "field 'name' is an object array (pickled Python objects)"
         ),
+        str(text): "text.npz': not an .npz archive (the file starts with b'hello ', not a zip",
+        str(empty): "empty.npz': not an .npz archive (the file is empty): expected a .npz of",
         _write_npz(tmp_path / "big.npz", prompt_len=np.int64(10**12)): (
             "field 'prompt_len' is 1000000000000: with 3 steps the positions pass 2147483647"
         ),
@@ -308,6 +312,20 @@ def prompt_file(tmp_path):
 def test_trace_option_checked_first(capsys, no_work, prompt_file, tmp_path, args, expected):
     argv = ["trace", "--prompt-file", prompt_file, "--out", str(tmp_path / "t.npz"), *args]
     assert expected in error(capsys, argv)
+
+
+def test_trace_empty_prompt_file(capsys, no_work, tmp_path):
+    (path := tmp_path / "empty.txt").write_text("\n")
+    argv = ["trace", "--prompt-file", str(path), "--out", str(tmp_path / "t.npz")]
+    assert f"--prompt-file {str(path)!r}: the file is empty: expected the prompt" in error(
+        capsys, argv
+    )
+
+
+def test_record_empty_prompt_says_so(tiny):
+    """It named an internal variable: `prompt_ids has shape (0,)`."""
+    with pytest.raises(ValueError, match=r"^the prompt is empty \(0 tokens\): expected at least"):
+        models.record.record_trace(tiny[0], [], 3)
 
 
 def test_trace_out_not_writable(capsys, no_work, prompt_file, tmp_path, monkeypatch):

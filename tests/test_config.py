@@ -14,37 +14,61 @@ from jaxkv.config import (
 GEOM = dict(num_layers=2, kv_heads=2, head_dim=8)
 
 
-def test_capacities_from_fraction_and_blocks():
-    c = CacheConfig(**GEOM, batch=2, max_len=64, block_size=16, hbm_capacity=0.25)
+def test_capacities_from_fraction_blocks_and_bytes():
+    c = CacheConfig(**GEOM, batch=2, max_len=64, block_size=16, hbm_fraction=0.25)
     assert c.max_blocks == 4 and c.total_blocks == 8
     assert c.hbm_slots == 2 and c.hbm_pool_slots == 0
     assert c.host_slots == 8  # write-through: a host copy of every block
-    c = CacheConfig(**GEOM, batch=1, max_len=100, block_size=7, hbm_capacity=5)
+    c = CacheConfig(**GEOM, batch=1, max_len=100, block_size=7, hbm_blocks=5)
     assert c.max_blocks == 15 and c.hbm_slots == 5 and c.host_slots == 15
     c = dataclasses.replace(c, host_tier="exclusive")
     assert c.host_slots == 10  # exclusive: what does not fit in HBM
     assert c.block_bytes == 2 * 7 * 2 * 8 * 4
+    # bytes count every layer: 2 layers x 896 bytes a block; 5.5 blocks' worth -> 5 a layer
+    c = CacheConfig(**GEOM, batch=1, max_len=100, block_size=7, hbm_bytes=int(5.5 * 2 * 896))
+    assert c.hbm_slots == 5 and c.host_slots == 15
+    c = CacheConfig(
+        **GEOM,
+        max_len=100,
+        block_size=7,
+        hbm_fraction=1,
+        host_bytes=3 * 2 * 896,
+        host_tier="exclusive",
+    )
+    assert c.hbm_slots == 15 and c.host_slots == 3
+    assert CacheConfig(**GEOM, hbm_bytes=10**12).hbm_slots == 128  # a budget over the KV: all
 
 
 def test_configs_are_hashable_static_args():
-    assert hash(CacheConfig(**GEOM)) == hash(CacheConfig(**GEOM))
+    assert hash(CacheConfig(**GEOM, hbm_fraction=0.5)) == hash(
+        CacheConfig(**GEOM, hbm_fraction=0.5)
+    )
     assert hash(PlacementConfig()) == hash(PlacementConfig())
     assert hash(AnnealConfig()) == hash(AnnealConfig())
 
 
 def test_error_hbm_cannot_hold_tails():
-    with pytest.raises(ValueError, match=r"hbm_capacity=1 gives 1 HBM blocks .* expected >= 2"):
-        CacheConfig(**GEOM, batch=2, hbm_capacity=1)
+    with pytest.raises(ValueError, match=r"hbm_blocks=1 gives 1 HBM blocks .* expected >= 2"):
+        CacheConfig(**GEOM, batch=2, hbm_blocks=1)
+
+
+def test_error_hbm_bytes_below_one_block_names_the_figures():
+    msg = (
+        r"hbm_bytes=1000 gives 0 HBM blocks per layer, .* expected >= 1 blocks per layer \(2 "
+        r"layers x 2,048 bytes per block = 4,096 bytes a block across layers: hbm_bytes >= 4,096\)"
+    )
+    with pytest.raises(ValueError, match=msg):
+        CacheConfig(**GEOM, hbm_bytes=1000)
 
 
 def test_error_too_little_host_capacity():
-    with pytest.raises(ValueError, match=r"host_capacity=2 gives 2 host blocks .* at least"):
+    with pytest.raises(ValueError, match=r"host_blocks=2 gives 2 host blocks .* at least"):
         CacheConfig(
             **GEOM,
             max_len=160,
             block_size=16,
-            hbm_capacity=4,
-            host_capacity=2,
+            hbm_blocks=4,
+            host_blocks=2,
             host_tier="exclusive",
         )
 
@@ -52,21 +76,76 @@ def test_error_too_little_host_capacity():
 def test_error_write_through_host_smaller_than_the_kv():
     with pytest.raises(
         ValueError,
-        match=r"host_capacity=6 gives 6 host blocks per layer, but host_tier='write-through' "
+        match=r"host_blocks=6 gives 6 host blocks per layer, but host_tier='write-through' "
         r"keeps a host copy of every block: expected 10 .* use host_tier='exclusive'",
     ):
-        CacheConfig(**GEOM, max_len=160, block_size=16, hbm_capacity=4, host_capacity=6)
-    CacheConfig(**GEOM, max_len=160, block_size=16, hbm_capacity=4, host_capacity=1.0)
+        CacheConfig(**GEOM, max_len=160, block_size=16, hbm_blocks=4, host_blocks=6)
+    CacheConfig(**GEOM, max_len=160, block_size=16, hbm_blocks=4, host_fraction=1.0)
 
 
 def test_error_unknown_host_tier():
     with pytest.raises(ValueError, match=r"host_tier must be one of .*, got 'inclusive'"):
-        CacheConfig(**GEOM, host_tier="inclusive")
+        CacheConfig(**GEOM, hbm_fraction=1.0, host_tier="inclusive")
+
+
+def test_error_bytes_looking_block_count():
+    msg = (
+        r"hbm_blocks=8,000,000: more than the KV footprint of 128 blocks per layer \(batch=1 x "
+        r"128 blocks of 16 tokens\): expected <= 128; a byte budget is hbm_bytes=8000000, all "
+        r"of the footprint hbm_fraction=1.0"
+    )
+    with pytest.raises(ValueError, match=msg):
+        CacheConfig(**GEOM, hbm_blocks=8_000_000)
+
+
+def test_error_percent_looking_fraction():
+    msg = r"hbm_fraction=25: expected a fraction in \(0, 1\] .* \(25% is hbm_fraction=0.25\)"
+    with pytest.raises(ValueError, match=msg):
+        CacheConfig(**GEOM, hbm_fraction=25)
 
 
 def test_error_fraction_out_of_range():
-    with pytest.raises(ValueError, match=r"hbm_capacity as a fraction must lie in \(0, 1\]"):
-        CacheConfig(**GEOM, hbm_capacity=1.5)
+    with pytest.raises(
+        ValueError, match=r"^hbm_fraction=0.0: expected a finite number in \(0, 1\]"
+    ):
+        CacheConfig(**GEOM, hbm_fraction=0.0)
+
+
+def test_error_fraction_given_as_blocks():
+    msg = r"hbm_blocks=0.25: expected a whole number .* say hbm_fraction=0.25"
+    with pytest.raises(ValueError, match=msg):
+        CacheConfig(**GEOM, hbm_blocks=0.25)
+
+
+def test_error_blocks_not_an_integer():
+    with pytest.raises(ValueError, match=r"^host_blocks=2.5: expected an integer >= 0$"):
+        CacheConfig(**GEOM, hbm_fraction=1.0, host_blocks=2.5)
+
+
+def test_error_two_capacity_keywords():
+    msg = r"^hbm_fraction=0.5, hbm_bytes=4096: expected exactly one of hbm_fraction=, hbm_blocks="
+    with pytest.raises(ValueError, match=msg):
+        CacheConfig(**GEOM, hbm_fraction=0.5, hbm_bytes=4096)
+
+
+def test_error_no_hbm_capacity():
+    msg = r"^no HBM capacity given: expected exactly one of .* \(e.g. hbm_fraction=1.0, all 128"
+    with pytest.raises(ValueError, match=msg):
+        CacheConfig(**GEOM)
+
+
+@pytest.mark.parametrize(
+    "old,use",
+    [
+        (dict(hbm_capacity=0.25), "say hbm_fraction=0.25;"),
+        (dict(hbm_capacity=25), r"say hbm_blocks=25 \(if blocks per layer\) or hbm_bytes=25"),
+        (dict(host_capacity=1.0, hbm_fraction=1.0), "say host_fraction=1.0;"),
+    ],
+)
+def test_error_old_capacity_keyword(old, use):
+    (name, value), *_ = old.items()
+    with pytest.raises(ValueError, match=rf"^{name}={value} is no longer accepted .*{use}"):
+        CacheConfig(**GEOM, **old)
 
 
 def test_error_bad_dtype():
@@ -80,8 +159,8 @@ def test_error_bad_block_size():
 
 
 def test_error_capacity_type():
-    with pytest.raises(ValueError, match=r"hbm_capacity must be an int \(blocks\) or a float"):
-        CacheConfig(**GEOM, hbm_capacity="half")
+    with pytest.raises(ValueError, match=r"^hbm_fraction='half': expected a finite number in"):
+        CacheConfig(**GEOM, hbm_fraction="half")
 
 
 def test_error_unknown_profile():
@@ -118,7 +197,7 @@ def test_for_model_takes_geometry_and_dtype():
     from models import tiny_config
 
     mc = tiny_config(dtype="bfloat16")
-    c = CacheConfig.for_model(mc, max_len=128, hbm_capacity=0.5)
+    c = CacheConfig.for_model(mc, max_len=128, hbm_fraction=0.5)
     assert (c.num_layers, c.kv_heads, c.head_dim, c.dtype) == (2, 2, 16, "bfloat16")
     assert c.max_len == 128 and c.hbm_slots == 4
 

@@ -8,20 +8,20 @@ from flax import nnx
 
 from jaxkv import cache as kvc
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
-from jaxkv.decode import Decoder, Greedy, Sampling, summarize
+from jaxkv.decode import PAD_ID, Decoder, Greedy, NonFiniteLogitsError, Sampling, summarize
 
 PROMPT_LENS = (45, 30)
 NEW = 24
 
 
-def _cfg(model, *, hbm, block_size=8, max_len=96, batch=2):
+def _cfg(model, *, block_size=8, max_len=96, batch=2, **capacity):
     mc = model.config
     return CacheConfig.for_model(
         mc,
         batch=batch,
         max_len=max_len,
         block_size=block_size,
-        hbm_capacity=hbm,
+        **capacity,
     )
 
 
@@ -47,7 +47,7 @@ def _greedy_reference(model, prompt, n):
 @pytest.fixture(scope="module")
 def all_hbm_tokens(tiny):
     model, params = tiny
-    dec = Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(), max_new_tokens=NEW)
+    dec = Decoder(model, _cfg(model, hbm_fraction=1.0), PlacementConfig(), max_new_tokens=NEW)
     state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
     assert int(state.step) == NEW - 1
     return np.asarray(state.tokens)
@@ -67,15 +67,15 @@ WT, EX = "write-through", "exclusive"
 @pytest.mark.parametrize(
     "policy,hbm,block_size,window,host_tier",
     [
-        ("static", 0.25, 8, 4, WT),
-        ("lru", 0.25, 8, 3, WT),
-        ("lru", 0.25, 8, 3, EX),
-        ("static", 6, 5, 2, EX),
-        ("lru", 0.5, 5, 1, WT),
-        ("anneal", 0.25, 8, 4, WT),
-        ("anneal", 0.25, 8, 4, EX),
-        ("anneal+reuse+follow", 0.25, 8, 4, WT),
-        ("anneal+reuse+follow", 0.25, 8, 4, EX),
+        ("static", dict(hbm_fraction=0.25), 8, 4, WT),
+        ("lru", dict(hbm_fraction=0.25), 8, 3, WT),
+        ("lru", dict(hbm_fraction=0.25), 8, 3, EX),
+        ("static", dict(hbm_blocks=6), 5, 2, EX),
+        ("lru", dict(hbm_fraction=0.5), 5, 1, WT),
+        ("anneal", dict(hbm_fraction=0.25), 8, 4, WT),
+        ("anneal", dict(hbm_fraction=0.25), 8, 4, EX),
+        ("anneal+reuse+follow", dict(hbm_fraction=0.25), 8, 4, WT),
+        ("anneal+reuse+follow", dict(hbm_fraction=0.25), 8, 4, EX),
     ],
 )
 def test_any_placement_gives_all_hbm_tokens(
@@ -84,7 +84,7 @@ def test_any_placement_gives_all_hbm_tokens(
     """Exact attention: the tokens equal the all-HBM cache's under every placement and both
     host tiers (write-through: every HBM copy also bit-identical to its host copy)."""
     model, params = tiny
-    cfg = dataclasses.replace(_cfg(model, hbm=hbm, block_size=block_size), host_tier=host_tier)
+    cfg = _cfg(model, **hbm, block_size=block_size, host_tier=host_tier)
     dec = Decoder(model, cfg, PlacementConfig(policy=policy, window=window), max_new_tokens=NEW)
     state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
     kvc.check_invariants(state.cache, contents=True)
@@ -109,7 +109,7 @@ def test_pallas_transfers_match_xla_and_all_hbm(tiny, policy, window):
         ("xla", 0.25, "xla"),
         ("pallas", 0.25, "pallas"),
     ):
-        cfg = dataclasses.replace(_cfg(model, hbm=hbm), fetch=fetch)
+        cfg = dataclasses.replace(_cfg(model, hbm_fraction=hbm), fetch=fetch)
         dec = Decoder(model, cfg, placement, max_new_tokens=NEW)
         state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
         kvc.check_invariants(state.cache)
@@ -129,7 +129,7 @@ def test_reuse_forecast_in_live_decode_is_lossless_and_learns(tiny, all_hbm_toke
     kw = dict(forecast="reuse", unforeseen=True, link_reserve=0.0)
     dec = Decoder(
         model,
-        _cfg(model, hbm=0.25),
+        _cfg(model, hbm_fraction=0.25),
         PlacementConfig(policy="anneal", window=3),
         max_new_tokens=NEW,
         policy_kwargs=kw,
@@ -146,7 +146,7 @@ def test_policy_migrates_under_sparse_attention(tiny, policy, window, host_tier)
     HBM-bound steps only demotes, which copies nothing: its exclusive run is the check)."""
     model, params = tiny
     p = PlacementConfig(policy=policy, window=window, attention="sparse", topk=3, max_moves=4)
-    cfg = dataclasses.replace(_cfg(model, hbm=0.25), host_tier=host_tier)
+    cfg = _cfg(model, hbm_fraction=0.25, host_tier=host_tier)
     dec = Decoder(model, cfg, p, max_new_tokens=NEW)
     state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
     kvc.check_invariants(state.cache)
@@ -160,7 +160,9 @@ SLOW_LINK = HardwareProfile("slow-link", hbm_bandwidth=1e13, link_bandwidth=1e9,
 def _sparse_run(tiny, policy, window, **kw):
     model, params = tiny
     p = PlacementConfig(policy=policy, window=window, attention="sparse", topk=3, max_moves=4)
-    dec = Decoder(model, _cfg(model, hbm=0.25), p, max_new_tokens=NEW, profile=SLOW_LINK, **kw)
+    dec = Decoder(
+        model, _cfg(model, hbm_fraction=0.25), p, max_new_tokens=NEW, profile=SLOW_LINK, **kw
+    )
     return dec, dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
 
 
@@ -205,7 +207,7 @@ def test_follow_moves_only_blocks_the_step_read(tiny, admit):
     )
     dec = Decoder(
         model,
-        _cfg(model, hbm=0.25),
+        _cfg(model, hbm_fraction=0.25),
         p,
         max_new_tokens=NEW,
         profile=SLOW_LINK,
@@ -244,7 +246,7 @@ def test_migrations_load_both_sides_of_their_step(tiny, host_tier):
     write-through one."""
     model, params = tiny
     p = PlacementConfig(policy="anneal+reuse+follow", window=1, attention="sparse", topk=3)
-    cfg = dataclasses.replace(_cfg(model, hbm=0.25), host_tier=host_tier)
+    cfg = _cfg(model, hbm_fraction=0.25, host_tier=host_tier)
     dec = Decoder(model, cfg, p, max_new_tokens=NEW, profile=SLOW_LINK)
     state = dec.prefill(params, _prompts(256), PROMPT_LENS)
     for _ in range(NEW - 1):  # the first step that migrates, demotes and seals no block
@@ -291,7 +293,7 @@ def test_adaptive_anneal_window_is_the_policys(tiny):
         attention="sparse",
         topk=3,
     )
-    dec = Decoder(model, _cfg(model, hbm=0.25), p, max_new_tokens=NEW)
+    dec = Decoder(model, _cfg(model, hbm_fraction=0.25), p, max_new_tokens=NEW)
     assert (dec.policy.adaptive.low, dec.policy.adaptive.high, dec.policy.adaptive.step) == (
         2,
         5,
@@ -314,7 +316,7 @@ def test_layers_are_scanned_once(tiny):
         model = tiny_model(0, num_layers=layers)
         params = nnx.split(model)[1]
         p = PlacementConfig(policy="anneal+reuse+follow", window=2, attention="sparse", topk=3)
-        dec = Decoder(model, _cfg(model, hbm=0.25), p, max_new_tokens=4)
+        dec = Decoder(model, _cfg(model, hbm_fraction=0.25), p, max_new_tokens=4)
         state = jax.eval_shape(
             dec.prefill_fn, params, _prompts(256), jnp.array(PROMPT_LENS), jax.random.key(0)
         )
@@ -329,7 +331,7 @@ def test_window_reads_restart_at_each_plan(tiny):
     """A plan sees the reads since the previous plan (`unforeseen`, `+ec` use them)."""
     model, params = tiny
     p = PlacementConfig(policy="lru", window=2, attention="sparse", topk=3)
-    dec = Decoder(model, _cfg(model, hbm=0.25), p, max_new_tokens=NEW)
+    dec = Decoder(model, _cfg(model, hbm_fraction=0.25), p, max_new_tokens=NEW)
     state = dec.prefill(params, _prompts(256), PROMPT_LENS)
     state = dec.step(params, dec.step(params, state))  # plans after step 2
     assert float(state.stats.window_reads.sum()) == 0.0
@@ -345,7 +347,7 @@ def test_decode_step_compiles_once_across_windows(tiny, policy):
     """One compilation of each jitted function across windows and a change of W (counted)."""
     model, params = tiny
     p = PlacementConfig(policy=policy, window=2, attention="sparse", topk=3)
-    dec = Decoder(model, _cfg(model, hbm=0.25), p, max_new_tokens=NEW)
+    dec = Decoder(model, _cfg(model, hbm_fraction=0.25), p, max_new_tokens=NEW)
     state = dec.prefill(params, _prompts(256), PROMPT_LENS)
     for _ in range(5):
         state = dec.step(params, state)
@@ -373,7 +375,7 @@ def test_adaptive_window_stays_in_bounds(tiny):
         attention="sparse",
         topk=3,
     )
-    dec = Decoder(model, _cfg(model, hbm=0.25), p, max_new_tokens=NEW)
+    dec = Decoder(model, _cfg(model, hbm_fraction=0.25), p, max_new_tokens=NEW)
     state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
     w = np.asarray(state.metrics.window_trace[: int(state.step)])
     assert w.min() >= 2 and w.max() <= 5 and len(set(w.tolist())) > 1
@@ -382,36 +384,73 @@ def test_adaptive_window_stays_in_bounds(tiny):
 def test_eos_stops_sequences(tiny, all_hbm_tokens):
     model, params = tiny
     eos = int(all_hbm_tokens[0, 3])
-    dec = Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(), max_new_tokens=NEW, eos_id=eos)
+    dec = Decoder(
+        model, _cfg(model, hbm_fraction=1.0), PlacementConfig(), max_new_tokens=NEW, eos_id=eos
+    )
     state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
     toks = np.asarray(state.tokens)
     first = toks[0].tolist().index(eos)
-    assert (toks[0, first + 1 :] == 0).all() and bool(state.done[0])
+    assert (toks[0, first + 1 :] == PAD_ID).all() and bool(state.done[0])
+    want = [r.tolist().index(eos) + 1 if eos in r else NEW for r in toks]  # the pad uncounted
+    assert np.asarray(state.lengths).tolist() == want and want[0] == first + 1
 
 
 def test_any_of_several_eos_ids_stops_a_sequence(tiny, all_hbm_tokens):
     model, params = tiny
     first, second = int(all_hbm_tokens[0, 5]), int(all_hbm_tokens[1, 2])
     dec = Decoder(
-        model, _cfg(model, hbm=1.0), PlacementConfig(), max_new_tokens=NEW, eos_id=[first, second]
+        model,
+        _cfg(model, hbm_fraction=1.0),
+        PlacementConfig(),
+        max_new_tokens=NEW,
+        eos_id=[first, second],
     )
     assert dec.eos_id == (first, second)
     toks = np.asarray(dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS)).tokens)
     for row, eos in ((0, first), (1, second)):
         stop = min(toks[row].tolist().index(t) for t in (first, second) if t in toks[row])
-        assert stop <= toks[row].tolist().index(eos) and (toks[row, stop + 1 :] == 0).all()
+        assert stop <= toks[row].tolist().index(eos) and (toks[row, stop + 1 :] == PAD_ID).all()
+
+
+def test_nan_weights_stop_the_run_naming_the_step(tiny):
+    """NaN weights used to decode all-zero tokens without a word."""
+    model, params = tiny
+    nan_params = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), params)
+    dec = Decoder(model, _cfg(model, hbm_fraction=1.0), PlacementConfig(), max_new_tokens=4)
+    state = dec.prefill(nan_params, _prompts(256), PROMPT_LENS)
+    msg = r"^the logits of sequences \[0, 1\] held NaN or inf at the prefill \(step 0\), the tok"
+    with pytest.raises(NonFiniteLogitsError, match=msg) as err:
+        dec.generate(nan_params, state)
+    assert int(err.value.state.step) == 0  # stopped there: no step decoded on NaN
+    assert (np.asarray(err.value.state.tokens)[:, 1:] == PAD_ID).all()
+
+
+def test_non_finite_logits_later_name_the_decode_step():
+    from jaxkv.decode import check_finite
+    from jaxkv.decode_state import SamplingState
+
+    z = jnp.zeros((2,), jnp.int32)
+    sm = SamplingState(tokens=None, last=z, done=z, step=z, key=None, bad_step=jnp.array([7, 5]))
+    state = dataclasses.make_dataclass("S", ["sampling"])(sm)
+    msg = r"^the logits of sequence \[1\] held NaN or inf at decode step 5, .* \(sequences \[0\] l"
+    with pytest.raises(NonFiniteLogitsError, match=msg):
+        check_finite(state)
 
 
 @pytest.mark.parametrize("bad", [-1, 10**9, 2.0, True, [], [1, "2"]])
 def test_eos_id_is_checked(tiny, bad):
     model, _ = tiny
     with pytest.raises(ValueError, match=r"eos_id=.*expected|eos_id=.* is empty"):
-        Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(), max_new_tokens=NEW, eos_id=bad)
+        Decoder(
+            model, _cfg(model, hbm_fraction=1.0), PlacementConfig(), max_new_tokens=NEW, eos_id=bad
+        )
 
 
 def test_stops_when_cache_full(tiny):
     model, params = tiny
-    dec = Decoder(model, _cfg(model, hbm=1.0, max_len=50), PlacementConfig(), max_new_tokens=NEW)
+    dec = Decoder(
+        model, _cfg(model, hbm_fraction=1.0, max_len=50), PlacementConfig(), max_new_tokens=NEW
+    )
     state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
     assert int(state.cache.lengths.max()) == 50 and int(state.step) == 50 - 45
 
@@ -431,7 +470,7 @@ def test_sampling_is_seeded_and_truncates():
 
 def test_error_geometry_mismatch(tiny):
     model, _ = tiny
-    cfg = CacheConfig(num_layers=3, kv_heads=2, head_dim=16)
+    cfg = CacheConfig(num_layers=3, kv_heads=2, head_dim=16, hbm_fraction=1.0)
     with pytest.raises(ValueError, match=r"\(num_layers, kv_heads, head_dim\)=\(3, 2, 16\) does"):
         Decoder(model, cfg)
 
@@ -439,65 +478,77 @@ def test_error_geometry_mismatch(tiny):
 def test_error_unknown_policy(tiny):
     model, _ = tiny
     with pytest.raises(ValueError, match=r"unknown policy 'fifo'; expected one of"):
-        Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(policy="fifo"))
+        Decoder(model, _cfg(model, hbm_fraction=1.0), PlacementConfig(policy="fifo"))
 
 
 def test_error_oracle_policy_in_live_decode(tiny):
     model, _ = tiny
     with pytest.raises(ValueError, match=r"policy 'anneal-oracle' plans from perfect knowledge"):
-        Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(policy="anneal-oracle"))
+        Decoder(model, _cfg(model, hbm_fraction=1.0), PlacementConfig(policy="anneal-oracle"))
     with pytest.raises(ValueError, match=r"policy 'anneal-oracle\+dual' plans from perfect"):
-        Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(policy="anneal-oracle+dual"))
+        Decoder(model, _cfg(model, hbm_fraction=1.0), PlacementConfig(policy="anneal-oracle+dual"))
     with pytest.raises(
         ValueError,
         match=r"\+now anneals each layer on its critical path.*use "
         r"'anneal\+reuse\+follow'",
     ):
-        Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(policy="anneal+reuse+now"))
+        Decoder(model, _cfg(model, hbm_fraction=1.0), PlacementConfig(policy="anneal+reuse+now"))
     with pytest.raises(ValueError, match=r"unknown modifier 'fast'; expected 'aw'"):
-        Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(policy="anneal+fast"))
+        Decoder(model, _cfg(model, hbm_fraction=1.0), PlacementConfig(policy="anneal+fast"))
     with pytest.raises(ValueError, match=r"\+now refines the online forecast, for anneal only"):
-        Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(policy="anneal-oracle+now"))
+        Decoder(model, _cfg(model, hbm_fraction=1.0), PlacementConfig(policy="anneal-oracle+now"))
 
 
 def test_error_prompt_longer_than_cache(tiny):
     model, params = tiny
-    dec = Decoder(model, _cfg(model, hbm=1.0, max_len=40), PlacementConfig())
+    dec = Decoder(model, _cfg(model, hbm_fraction=1.0, max_len=40), PlacementConfig())
     with pytest.raises(ValueError, match=r"prompt length 45 exceeds the cache's max_len=40"):
         dec.prefill(params, _prompts(256))
 
 
 def test_error_prompt_shape(tiny):
     model, params = tiny
-    dec = Decoder(model, _cfg(model, hbm=1.0), PlacementConfig())
+    dec = Decoder(model, _cfg(model, hbm_fraction=1.0), PlacementConfig())
     with pytest.raises(ValueError, match=r"prompts has shape \(45,\), expected \(batch=2, T\)"):
         dec.prefill(params, jnp.zeros((45,), jnp.int32))
 
 
 def test_error_prompt_dtype(tiny):
     model, params = tiny
-    dec = Decoder(model, _cfg(model, hbm=1.0), PlacementConfig())
+    dec = Decoder(model, _cfg(model, hbm_fraction=1.0), PlacementConfig())
     with pytest.raises(ValueError, match=r"prompts has dtype float32, expected an integer"):
         dec.prefill(params, jnp.zeros((2, 4), jnp.float32))
 
 
-def test_error_prompt_lengths(tiny):
+@pytest.mark.parametrize(
+    "width, lengths, msg",
+    [
+        (0, None, r"the prompts are empty \(shape \(2, 0\): 0 tokens\): expected at least one"),
+        (4, [0, 3], r"lengths=\[0, 3\]: sequence 0's prompt is empty \(0 tokens\): expected at"),
+        (4, [4, 9.5], r"lengths=\[4.0, 9.5\]: sequence 1's length 9.5 is not a whole number"),
+        (4, [4, 5], r"lengths=\[4, 5\]: sequence 1's length 5 exceeds the prompts' width T=4"),
+        (4, [4], r"lengths=\[4\]: expected 2 prompt lengths, one per sequence \(batch=2\)"),
+    ],
+)
+def test_error_prompt_lengths(tiny, width, lengths, msg):
+    """Each refused before any work: an empty prompt, a fractional length (was truncated),
+    a length past the prompts' width, a length per sequence missing."""
     model, params = tiny
-    dec = Decoder(model, _cfg(model, hbm=1.0), PlacementConfig())
-    with pytest.raises(ValueError, match=r"lengths=\[0, 3\] must be 2 values in \[1, 4\]"):
-        dec.prefill(params, jnp.zeros((2, 4), jnp.int32), [0, 3])
+    dec = Decoder(model, _cfg(model, hbm_fraction=1.0), PlacementConfig())
+    with pytest.raises(ValueError, match="^" + msg):
+        dec.prefill(params, jnp.zeros((2, width), jnp.int32), lengths)
 
 
 def test_error_max_new_tokens(tiny):
     model, _ = tiny
     with pytest.raises(ValueError, match=r"max_new_tokens must be an int >= 1, got 0"):
-        Decoder(model, _cfg(model, hbm=1.0), max_new_tokens=0)
+        Decoder(model, _cfg(model, hbm_fraction=1.0), max_new_tokens=0)
 
 
 def test_error_prompt_token_ids_outside_the_vocabulary(tiny):
     """Ids past the vocabulary (or negative) are refused; padding past a length is not read."""
     model, params = tiny
-    dec = Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(), max_new_tokens=2)
+    dec = Decoder(model, _cfg(model, hbm_fraction=1.0), PlacementConfig(), max_new_tokens=2)
     prompts = np.zeros((2, 4), np.int32)
     prompts[1, 2] = 300
     with pytest.raises(ValueError, match=r"prompts\[1, 2\] = 300: expected token ids in \[0, "):
@@ -514,7 +565,7 @@ def test_step_past_max_new_tokens(tiny):
     """`step` refuses a state that holds max_new_tokens tokens (it overwrote the last token and
     dropped the metrics); the unchecked `decode_step` leaves every sequence as it is."""
     model, params = tiny
-    dec = Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(), max_new_tokens=3)
+    dec = Decoder(model, _cfg(model, hbm_fraction=1.0), PlacementConfig(), max_new_tokens=3)
     state = dec.generate(params, dec.prefill(params, _prompts(256), PROMPT_LENS))
     assert int(state.step) == 2
     tokens, lengths = np.asarray(state.tokens), np.asarray(state.cache.lengths)
@@ -536,7 +587,7 @@ def test_decoder_keeps_the_host_memory_kind(tiny, all_hbm_tokens, kind):
     """The host pools keep the configured memory kind through prefill, step and generate (an
     unpinned_host pool came back as device), and the tokens stay the all-HBM ones."""
     model, params = tiny
-    cfg = dataclasses.replace(_cfg(model, hbm=0.25), host_memory_kind=kind)
+    cfg = dataclasses.replace(_cfg(model, hbm_fraction=0.25), host_memory_kind=kind)
     dec = Decoder(model, cfg, PlacementConfig(policy="lru", window=3), max_new_tokens=NEW)
     state = dec.prefill(params, _prompts(256), PROMPT_LENS)
     kinds = lambda s: {s.cache.host_k.sharding.memory_kind, s.cache.host_v.sharding.memory_kind}
@@ -561,7 +612,7 @@ def test_error_unlimited_in_live_decode(tiny):
     """unlimited is a bound: refused when the Decoder is built (it failed at the first plan)."""
     model, _ = tiny
     with pytest.raises(ValueError, match=r"'unlimited' is the Unlimited-HBM bound .* use "):
-        Decoder(model, _cfg(model, hbm=0.5), PlacementConfig(policy="unlimited"))
+        Decoder(model, _cfg(model, hbm_fraction=0.5), PlacementConfig(policy="unlimited"))
 
 
 def _pallas_run(impl, host_memory_kind):
@@ -575,7 +626,7 @@ def _pallas_run(impl, host_memory_kind):
         batch=2,
         max_len=64,
         block_size=16,
-        hbm_capacity=0.5,
+        hbm_fraction=0.5,
         dtype="bfloat16",
         host_memory_kind=host_memory_kind,
     )
@@ -630,8 +681,8 @@ def _fixture_decode(name, policy, *, hbm=0.3, host=None, attention="exact", impl
         batch=1,
         max_len=len(prompt) + len(want),
         block_size=4,
-        hbm_capacity=hbm,
-        host_capacity=host,
+        hbm_fraction=hbm,
+        host_fraction=host,
     )
     placement = PlacementConfig(policy=policy, window=2, attention=attention, topk=3)
     dec = Decoder(model, cfg, placement, max_new_tokens=len(want), impl=impl)
@@ -688,9 +739,11 @@ def test_decoders_start_from_one_shared_prefill(tiny, all_hbm_tokens):
     """`model_prefill` once, then each policy's Decoder from it: the tokens of a full prefill."""
     model, params = tiny
     prompts = _prompts(256)
-    first = Decoder(model, _cfg(model, hbm=1.0), PlacementConfig(), max_new_tokens=NEW)
+    first = Decoder(model, _cfg(model, hbm_fraction=1.0), PlacementConfig(), max_new_tokens=NEW)
     pre = first.model_prefill(params, prompts, PROMPT_LENS)
-    other = Decoder(model, _cfg(model, hbm=0.25), PlacementConfig(policy="lru"), max_new_tokens=NEW)
+    other = Decoder(
+        model, _cfg(model, hbm_fraction=0.25), PlacementConfig(policy="lru"), max_new_tokens=NEW
+    )
     state = other.generate(params, other.prefill(params, prompts, PROMPT_LENS, prefilled=pre))
     np.testing.assert_array_equal(np.asarray(state.tokens), all_hbm_tokens)
     with pytest.raises(ValueError, match=r"prefilled.lengths=\[45, 30\] differ from the prompt"):

@@ -163,7 +163,8 @@ def test_run_demo_checks_arguments_before_loading(monkeypatch):
 
 
 def test_demo_failure_mid_run_gets_its_own_line(capsys, monkeypatch, tiny):
-    """An error raised while the progress bar is open is printed after the bar's line ends."""
+    """An error raised while the progress bar is open is printed on a line of its own: the
+    bar clears itself first (leave=False; so does a Ctrl-C's line)."""
 
     def boom(*args, **kwargs):
         raise ValueError("boom")
@@ -186,4 +187,15 @@ def test_demo_failure_mid_run_gets_its_own_line(capsys, monkeypatch, tiny):
     )
     err = capsys.readouterr().err
     assert rc == 2
-    assert "decoding" in err and "\njaxkv demo: error: boom\n" in err
+    bar, line = err.rsplit("\r", 1)
+    assert "decoding" in bar and line == "jaxkv demo: error: boom\n"
+    assert bar.rsplit("\r", 1)[-1].strip() == ""  # the bar's line blanked before the message
+
+
+def test_decoded_text_stops_at_the_pad():
+    """The token buffer pads a finished sequence with PAD_ID (-1, no token): the text stops."""
+    from jaxkv.decode import PAD_ID
+    from models.generate import decode_text
+
+    assert decode_text(None, [104, 105, PAD_ID, PAD_ID]) == "hi"
+    assert decode_text(None, [104, 105, 33, PAD_ID], stop=(33,)) == "hi"

@@ -124,7 +124,7 @@ def test_host_tier_is_fp8_and_round_trips_within_the_bound(fetch, kind, host_tie
 def test_migrations_move_fp8_blocks_without_loss_or_duplication():
     """Demoting everything, promoting it back and demoting it again: every block is where the
     table says, and the values after the second demotion equal the first's bit for bit."""
-    cfg = _cfg(hbm_capacity=12, host_capacity=1.0)
+    cfg = _cfg(hbm_blocks=12, host_fraction=1.0)
     cache, _, _, _ = prefilled(cfg)
     none = jnp.zeros((cfg.num_layers, cfg.total_blocks), bool)
     first, back = demote_then_promote_all(cache)
@@ -161,7 +161,7 @@ def test_attention_over_fp8_blocks(impl, mode, host_tier):
     FP8 error bound), and in practice far inside it."""
     placement = PlacementConfig(attention=mode, topk=0.5)
     fetch = "pallas" if impl == "pallas" else "xla"
-    cfg = _cfg(hbm_capacity=4, max_len=112, fetch=fetch, host_tier=host_tier)
+    cfg = _cfg(hbm_blocks=4, max_len=112, fetch=fetch, host_tier=host_tier)
     cache, k, v, lengths = prefilled(cfg, lengths=(100, 77))
     q = jax.random.normal(jax.random.key(5), (2, 4, 16)).astype(jnp.bfloat16)
     layer = 1
@@ -258,7 +258,7 @@ def test_score_teacher_forces_like_greedy_decoding(tiny):
     """`Decoder.score` fed the tokens greedy decoding chose gives logits whose argmax are the
     next ones it chose; bad token shapes and too many steps are refused up front."""
     model, params = tiny
-    cfg = CacheConfig.for_model(model.config, batch=2, max_len=96, block_size=8, hbm_capacity=0.25)
+    cfg = CacheConfig.for_model(model.config, batch=2, max_len=96, block_size=8, hbm_fraction=0.25)
     dec = Decoder(model, cfg, PlacementConfig(policy="lru", window=3), max_new_tokens=12)
     prompts = jax.random.randint(jax.random.key(3), (2, 40), 0, 256).astype(jnp.int32)
     toks = np.asarray(dec.generate(params, dec.prefill(params, prompts)).tokens)

@@ -23,7 +23,7 @@ BS = 16
 
 
 def _cfg(**kw):
-    return fp8_config(**{**dict(hbm_capacity=4, fp8="age", fp8_age=32, fetch="xla"), **kw})
+    return fp8_config(**{**dict(hbm_blocks=4, fp8="age", fp8_age=32, fetch="xla"), **kw})
 
 
 def test_config_checks_and_bytes():
@@ -107,8 +107,8 @@ def test_attention_reads_the_ring_and_the_fp8_pools(impl, mode):
     fetch = "pallas" if impl == "pallas" else "xla"
     q = jax.random.normal(jax.random.key(5), (2, 4, 16)).astype(jnp.bfloat16)
     outs = []
-    for hbm in (1.0, 4):
-        cfg = _cfg(hbm_capacity=hbm, max_len=112, fetch=fetch)
+    for hbm in (dict(hbm_fraction=1.0, hbm_blocks=None), dict(hbm_blocks=4)):
+        cfg = _cfg(**hbm, max_len=112, fetch=fetch)
         cache, _, _, lengths = prefilled(cfg, lengths=(100, 77))
         out, stats = att.tiered_attention(q, cache, 1, lengths, placement, impl=impl)
         kd, vd = kvc.to_dense(cache)
@@ -118,7 +118,7 @@ def test_attention_reads_the_ring_and_the_fp8_pools(impl, mode):
         np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=tol, rtol=tol)
         ring = stats.read_hbm & ring_window(cfg, cache.lengths)
         assert int(ring.sum()) > 0 and int((stats.read_hbm & ~ring).sum()) > 0
-        assert (int(stats.read_host.sum()) > 0) == (hbm != 1.0)
+        assert (int(stats.read_host.sum()) > 0) == (cfg.hbm_slots < cfg.total_blocks)
         if impl == "xla":
             np.testing.assert_allclose(np.asarray(stats.mass.sum(-1)), 4.0, rtol=1e-5)
         outs.append(np.asarray(out))
@@ -149,7 +149,7 @@ def test_sealing_quantizes_the_ring_block_into_its_tier():
     """Tokens written by the decode loop go to the ring; at sealing the block is quantized
     into its HBM slot or spilled (quantized) to host, and a sequence that fills max_len seals
     its last block in place: every sealed block's pool copy is the quantized tokens."""
-    cfg = _cfg(max_len=96, hbm_capacity=5, fp8_age=16)
+    cfg = _cfg(max_len=96, hbm_blocks=5, fp8_age=16)
     cache, k, v, lengths = prefilled(cfg, lengths=(60, 41))
     cache, kt, vt = _decode_tokens(cache, 36)
     kvc.check_invariants(cache)
@@ -179,7 +179,9 @@ def test_migrations_and_compaction_move_fp8_bytes_without_loss():
     and scales of every block are unchanged, the table consistent at each step."""
     # the host tier in device memory: Pallas interpret mode cannot lower a jit with pinned_host
     # operands (ARCHITECTURE.md), and compaction's kernel runs interpreted here
-    cfg = _cfg(hbm_capacity=14, host_capacity=1.0, fp8_age=0, host_memory_kind="device")
+    cfg = _cfg(
+        hbm_fraction=1.0, hbm_blocks=None, host_fraction=1.0, fp8_age=0, host_memory_kind="device"
+    )
     cache, _, _, _ = prefilled(cfg)
     cache, _, _ = _decode_tokens(cache, 7)
 
@@ -225,7 +227,7 @@ def age_runs(tiny):
             batch=2,
             max_len=96,
             block_size=8,
-            hbm_capacity=hbm,
+            hbm_fraction=hbm,
             fp8=fp8,
             fp8_age=age,
             dtype="float32",

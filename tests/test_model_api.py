@@ -95,7 +95,7 @@ NEW = 16
 
 
 def _cache(hbm, **kw):
-    kw = dict(batch=2, max_len=CFG.max_len, block_size=8, hbm_capacity=hbm) | kw
+    kw = dict(batch=2, max_len=CFG.max_len, block_size=8, hbm_fraction=hbm) | kw
     return CacheConfig.for_model(CFG, **kw)
 
 

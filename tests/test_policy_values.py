@@ -112,7 +112,7 @@ def test_policy_kwargs_on_an_object_are_named():
 def _decoder(policy, tiny, **placement):
     model, _ = tiny
     cache = CacheConfig.for_model(
-        model.config, batch=1, max_len=128, block_size=8, hbm_capacity=0.25
+        model.config, batch=1, max_len=128, block_size=8, hbm_fraction=0.25
     )
     return Decoder(model, cache, PlacementConfig(policy=policy, **placement), max_new_tokens=12)
 
@@ -153,7 +153,7 @@ def test_decoder_refuses_a_policy_that_needs_the_future(tiny):
 
 def test_decoder_refuses_knob_overrides_of_an_object(tiny):
     model, _ = tiny
-    cache = CacheConfig.for_model(model.config, batch=1, max_len=64, hbm_capacity=0.25)
+    cache = CacheConfig.for_model(model.config, batch=1, max_len=64, hbm_fraction=0.25)
     msg = "policy_kwargs ['spread'] set knobs of a preset name; PlacementConfig.policy 'mine'"
     with pytest.raises(ValueError, match=re.escape(msg)):
         Decoder(model, cache, PlacementConfig(policy=MINE, window=4), policy_kwargs={"spread": 1})

@@ -192,7 +192,7 @@ def test_one_device_mesh_in_process(tiny):
     from jaxkv.decode import Decoder
 
     model, params = tiny
-    cfg = CacheConfig.for_model(model.config, batch=2, max_len=64, block_size=8, hbm_capacity=0.5)
+    cfg = CacheConfig.for_model(model.config, batch=2, max_len=64, block_size=8, hbm_fraction=0.5)
     pl = PlacementConfig(policy="lru", window=3)
     prompts = np.asarray(jax.random.randint(jax.random.key(1), (2, 20), 0, 256), np.int32)
     one = Decoder(model, cfg, pl, max_new_tokens=8)
@@ -208,7 +208,7 @@ def test_one_device_mesh_in_process(tiny):
 
 def test_bad_arguments_are_refused_up_front(tiny):
     model, _ = tiny
-    cfg = CacheConfig.for_model(model.config, batch=2, max_len=64, block_size=8)
+    cfg = CacheConfig.for_model(model.config, batch=2, max_len=64, block_size=8, hbm_fraction=1.0)
     pl = PlacementConfig()
     n = len(jax.devices())
     with pytest.raises(ValueError, match=f"but {n} are available"):
@@ -219,7 +219,7 @@ def test_bad_arguments_are_refused_up_front(tiny):
     with pytest.raises(ValueError, match="stagger=-1"):
         sharded.ShardedDecoder(model, cfg, pl, mesh=mesh, stagger=-1, max_new_tokens=4)
     unpinned = CacheConfig.for_model(
-        model.config, batch=2, max_len=64, host_memory_kind="unpinned_host"
+        model.config, batch=2, max_len=64, hbm_fraction=1.0, host_memory_kind="unpinned_host"
     )
     with pytest.raises(ValueError, match="unpinned_host"):
         sharded.ShardedDecoder(model, unpinned, pl, mesh=mesh, max_new_tokens=4)

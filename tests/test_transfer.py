@@ -83,7 +83,7 @@ def test_host_pool_over_the_gpu_limit_fails_before_allocating(monkeypatch):
         max_len=131072,
         dtype="bfloat16",
         batch=8,
-        hbm_capacity=0.25,
+        hbm_fraction=0.25,
         host_tier="exclusive",
     )  # 8 x 128k tokens, 75% on host: 96 GiB of K+V
     monkeypatch.delenv(kvc.GPU_HOST_LIMIT_VAR, raising=False)
@@ -132,7 +132,7 @@ def _cfg(fetch, kind, host_tier="write-through", fp8="off"):
         batch=2,
         max_len=24,
         block_size=3,
-        hbm_capacity=5,
+        hbm_blocks=5,
         fetch=fetch,
         host_memory_kind=kind,
         host_tier=host_tier,

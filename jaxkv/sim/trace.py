@@ -232,6 +232,14 @@ def load(path) -> FileTrace:
         raise ValueError(f"trace {str(p)!r}: file not found")
     if p.is_dir():
         raise ValueError(f"trace {str(p)!r}: is a directory, expected a .npz file")
+    with open(p, "rb") as f:
+        head = f.read(6)
+    if not head.startswith((b"PK", b"\x93NUMPY")):  # a zip archive (.npz) or a .npy array
+        what = "is empty" if not head else f"starts with {head!r}, not a zip archive's PK"
+        raise ValueError(
+            f"trace {str(p)!r}: not an .npz archive (the file {what}): expected a .npz of the "
+            f"fields {list(_REQUIRED)} (jaxkv.sim.trace.save, jaxkv trace --out)"
+        )
     try:
         z = np.load(p, allow_pickle=False)
     except Exception as e:  # noqa: BLE001 -- every way a file can fail to open as .npz

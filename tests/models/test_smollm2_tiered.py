@@ -24,7 +24,7 @@ def test_exact_tiered_decoding_of_smollm2_equals_all_hbm():
 
     def run(policy, hbm, pre=None):
         cfg = CacheConfig.for_model(
-            model.config, batch=1, max_len=prompt.shape[1] + new, block_size=16, hbm_capacity=hbm
+            model.config, batch=1, max_len=prompt.shape[1] + new, block_size=16, hbm_fraction=hbm
         )
         dec = Decoder(model, cfg, PlacementConfig(policy=policy, window=4), max_new_tokens=new)
         pre = dec.model_prefill(params, prompt) if pre is None else pre

@@ -1,0 +1,76 @@
+"""Ctrl-C ends a `jaxkv` command with exit status 130, one line on stderr and no half-written
+output file (`jaxkv.cli`): whether the main thread is in Python (KeyboardInterrupt) or stuck
+in a device computation that sees no signal until it returns (the watchdog)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# `jaxkv demo` with its long stage replaced: it opens the figure's output, writes part of it,
+# says "ready", then waits in Python (sleep) or in a device computation (a jitted loop that
+# runs for minutes: native code, where no signal is seen)
+SCRIPT = """
+import sys, time
+import jax, jax.numpy as jnp
+import models.demo as demo
+from jaxkv import cli
+
+def busy():
+    def body(c):
+        return c[0] + 1, jnp.sin(c[1]) + 1.0
+    loop = jax.jit(lambda n: jax.lax.while_loop(lambda c: c[0] < n, body, (0, jnp.ones(64)))[1])
+    loop(2).block_until_ready()  # compiled before "ready"
+    return loop
+
+def long_stage(parts, **kw):
+    loop = busy() if sys.argv[2] == "device" else None
+    with cli.atomic_output(sys.argv[1], ".png") as tmp:
+        open(tmp, "wb").write(b"half a figure")
+        print("ready", flush=True)
+        if loop is None:
+            time.sleep(600)
+        else:
+            loop(2**31 - 1).block_until_ready()
+    raise AssertionError("not interrupted")
+
+demo.run_demo_parts = long_stage
+sys.exit(cli.main(["demo", "--model", "default", "--plot", sys.argv[1], "--json"]))
+"""
+
+
+@pytest.mark.parametrize(
+    "where", [pytest.param("python", marks=pytest.mark.slow), "device"]
+)  # a few seconds each (a fresh process importing jax and the models)
+def test_ctrl_c_exits_130_with_one_line_and_no_file(tmp_path, where):
+    out = tmp_path / "fig.png"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(SCRIPT), str(out), where],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        time.sleep(0.3)  # inside the long stage
+        t0 = time.perf_counter()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=20)
+        took = time.perf_counter() - t0
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    lines = err.strip().splitlines()
+    assert lines == ["jaxkv demo: interrupted (Ctrl-C); no output file was left half-written"], err
+    assert took < 5.0, took
+    assert list(tmp_path.iterdir()) == []  # neither the figure nor its temporary file
