@@ -51,7 +51,6 @@ from jaxkv import cache as kvc
 from jaxkv._pytree import replace
 from jaxkv.attention import resolve_impl, tiered_attention
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
-from jaxkv.cost import layer_step_time
 from jaxkv.decode_follow import apply_follow_moves, empty_follow_moves, follow_layer
 from jaxkv.decode_observation import layer_windows, observation, placeable
 from jaxkv.decode_setup import (
@@ -71,15 +70,17 @@ from jaxkv.decode_state import (
     PAD_ID,
     DecodeState,
     Metrics,
+    NonFiniteLogitsError,
     PlacementState,
     Prefilled,
     SamplingState,
     Statistics,
+    check_finite,
     copied_demotions,
     initial_state,
-    link_migration_bytes,
     new_window,
     record_step,
+    step_latency,
     summarize,
 )
 from jaxkv.model_api import bind, check_model
@@ -499,27 +500,19 @@ class Decoder:
         return key, nxt, tokens, done, bad_step
 
     def _step_latency(self, hbm_b, host_b, moved, promoted, demoted, link_mig=None):
-        """[] f32: the step's modeled seconds (`jaxkv.cost.layer_step_time`, summed over the
-        layers) from its reads, its token write and its migrations ([layers] blocks each);
-        `link_mig`: the link's migration bytes [layers] when others share it (jaxkv.sharded)."""
-        c = self.cache_config
-        bb = float(c.hbm_block_bytes)  # what a migration writes or reads in the HBM pool
-        # the token's write (fp8="age": into the ring, plus its FP8 copy at sealing, amortized)
-        write_b = float(c.batch * (c.block_bytes + (bb if c.ring_blocks else 0)) / c.block_size)
-        # as in the simulator (docs/paper.md): a migration crosses the link once and touches
-        # HBM once, in its step; a follow promotion rides on the step's host read (HBM only)
-        # (a write-through demotion only frees its HBM slot: no copy)
-        mig_h = (moved + promoted + copied_demotions(c, demoted)).astype(jnp.float32) * bb  # [L]
-        mig_l = link_mig if link_mig is not None else link_migration_bytes(c, moved, demoted)
-        return layer_step_time(
+        """[] f32: the step's modeled seconds (`jaxkv.decode_state.step_latency`); `link_mig`:
+        the link's migration bytes [layers] when others share it (jaxkv.sharded)."""
+        return step_latency(
+            self.cache_config,
+            self.profile,
+            self.weight_bytes_per_layer,
             hbm_b,
             host_b,
-            profile=self.profile,
-            weight_bytes=self.weight_bytes_per_layer,
-            hbm_write_bytes=write_b,
-            hbm_migration_bytes=mig_h,
-            link_migration_bytes=mig_l,
-        ).sum()
+            moved,
+            promoted,
+            demoted,
+            link_mig,
+        )
 
     def _layer_windows(self):
         """[layers] int32 sliding window of each layer (0: full attention), None without."""
@@ -600,35 +593,6 @@ class Decoder:
             return (s.sampling.step < until) & ~jnp.all(s.sampling.done) & ~full
 
         return jax.lax.while_loop(cond, lambda s: self._either_step(params, s), state)
-
-
-class NonFiniteLogitsError(FloatingPointError):
-    """A decode produced NaN or inf logits (`Decoder.generate`); `.state` is the state."""
-
-    def __init__(self, message: str, state: DecodeState):
-        super().__init__(message)
-        self.state = state
-
-
-def check_finite(state: DecodeState) -> None:
-    """Raises NonFiniteLogitsError naming the first step (the token column; 0 is the
-    prefill's) and the sequences whose logits held a NaN or inf, if any (one host read)."""
-    bad = np.asarray(state.sampling.bad_step).reshape(-1)
-    if (bad < 0).all():
-        return
-    first = int(bad[bad >= 0].min())
-    rows = np.flatnonzero(bad == first).tolist()
-    others = np.flatnonzero(bad > first).tolist()
-    where = "the prefill (step 0)" if first == 0 else f"decode step {first}"
-    raise NonFiniteLogitsError(
-        f"the logits of sequence{'s' if len(rows) > 1 else ''} {rows} held NaN or inf at "
-        f"{where}, the token at column {first} of state.tokens"
-        + (f" (sequences {others} later)" if others else "")
-        + ": expected finite logits; the model's weights or activations are not finite (NaN "
-        f"weights, an overflow in the cache's dtype); those sequences stopped there (tokens "
-        f"after are {PAD_ID})",
-        state,
-    )
 
 
 def _window_due(state: DecodeState):

@@ -30,6 +30,7 @@ from jaxkv import importance as imp
 from jaxkv._pytree import pytree_dataclass, replace
 from jaxkv.cache_layout import ring_window
 from jaxkv.config import CacheConfig
+from jaxkv.cost import layer_step_time
 
 PAD_ID = -1  # the token buffer's entry after a sequence's last token (never a valid id)
 
@@ -305,3 +306,57 @@ def link_migration_bytes(c: CacheConfig, moved, demoted):
     write-through one (a follow promotion rides on the step's host read)."""
     crossed = moved if c.write_through else moved + demoted
     return crossed.astype(jnp.float32) * float(c.host_block_bytes)
+
+
+def step_latency(
+    c: CacheConfig, profile, weight_bytes, hbm_b, host_b, moved, promoted, demoted, link_mig=None
+):
+    """[] f32: a step's modeled seconds (`jaxkv.cost.layer_step_time`, summed over the layers)
+    from its reads, its token write and its migrations ([layers] blocks each); `link_mig`: the
+    link's migration bytes [layers] when others share it (jaxkv.sharded)."""
+    bb = float(c.hbm_block_bytes)  # what a migration writes or reads in the HBM pool
+    # the token's write (fp8="age": into the ring, plus its FP8 copy at sealing, amortized)
+    write_b = float(c.batch * (c.block_bytes + (bb if c.ring_blocks else 0)) / c.block_size)
+    # as in the simulator (docs/paper.md): a copied block crosses the link once and touches HBM
+    # once, in its step; a follow promotion rides on the step's host read (HBM only); a
+    # write-through demotion only frees its HBM slot (no copy)
+    mig_h = (moved + promoted + copied_demotions(c, demoted)).astype(jnp.float32) * bb  # [L]
+    mig_l = link_mig if link_mig is not None else link_migration_bytes(c, moved, demoted)
+    return layer_step_time(
+        hbm_b,
+        host_b,
+        profile=profile,
+        weight_bytes=weight_bytes,
+        hbm_write_bytes=write_b,
+        hbm_migration_bytes=mig_h,
+        link_migration_bytes=mig_l,
+    ).sum()
+
+
+class NonFiniteLogitsError(FloatingPointError):
+    """A decode produced NaN or inf logits (`Decoder.generate`); `.state` is the state."""
+
+    def __init__(self, message: str, state: DecodeState):
+        super().__init__(message)
+        self.state = state
+
+
+def check_finite(state: DecodeState) -> None:
+    """Raises NonFiniteLogitsError naming the first step (the token column; 0 is the
+    prefill's) and the sequences whose logits held a NaN or inf, if any (one host read)."""
+    bad = np.asarray(state.sampling.bad_step).reshape(-1)
+    if (bad < 0).all():
+        return
+    first = int(bad[bad >= 0].min())
+    rows = np.flatnonzero(bad == first).tolist()
+    others = np.flatnonzero(bad > first).tolist()
+    where = "the prefill (step 0)" if first == 0 else f"decode step {first}"
+    raise NonFiniteLogitsError(
+        f"the logits of sequence{'s' if len(rows) > 1 else ''} {rows} held NaN or inf at "
+        f"{where}, the token at column {first} of state.tokens"
+        + (f" (sequences {others} later)" if others else "")
+        + ": expected finite logits; the model's weights or activations are not finite (NaN "
+        f"weights, an overflow in the cache's dtype); those sequences stopped there (tokens "
+        f"after are {PAD_ID})",
+        state,
+    )
