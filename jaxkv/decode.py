@@ -30,11 +30,10 @@ modeled step latency under a HardwareProfile (docs/paper.md's max of the two tie
 migrated, HBM hit rate. `Decoder.plan_seconds` measures one plan on the present device, which
 `summarize` charges beside the modeled time.
 
-The lower pieces live in their own modules (their public names are importable from here too):
-the samplers `Greedy` and `Sampling` in `jaxkv.sampling`; `DecodeState`, its parts, the step's
-bookkeeping and `summarize` in `jaxkv.decode_state`; the host-side setup (argument checks,
-`model_weight_bytes`, the policy a live decode can run) in `jaxkv.decode_setup`; what a plan
-observes in `jaxkv.decode_observation`; the follow rule in `jaxkv.decode_follow`.
+Lower pieces (public names importable from here too): samplers in `jaxkv.sampling`;
+`DecodeState`, the step's bookkeeping and `summarize` in `jaxkv.decode_state`; host-side
+setup in `jaxkv.decode_setup`; a plan's observation in `jaxkv.decode_observation`; the
+follow rule in `jaxkv.decode_follow`.
 """
 
 from __future__ import annotations
