@@ -57,7 +57,7 @@ from jaxkv.cache_layout import (  # noqa: F401  (re-exported: callers use `jaxkv
 from jaxkv.config import TIER_HBM, TIER_HOST, TIER_NONE
 from jaxkv.migration import Moves, migrate, plan_moves  # noqa: F401  (re-exported)
 from jaxkv.quant import host_rounded
-from jaxkv.slot_ops import first_free, take
+from jaxkv.slot_ops import first_free, seal_keeps, take
 from jaxkv.transfer import rows_of, traced
 from pallas_kernels.compaction import compaction, compaction_moves
 
@@ -326,9 +326,8 @@ def _advance(cache: TieredKVCache, active, after_reads) -> TieredKVCache:
     old_j = jnp.maximum(new_j - 1, 0)
     b = jnp.arange(B)
     old_slot = cache.slot[:, b, old_j]  # [L, B]: HBM slot of the block being sealed
-    seal_rank = jnp.maximum(jnp.cumsum(seal) - 1, 0)  # [B]
     hbm_list, n_hbm_free = first_free(cache.hbm_free, B)
-    keep = seal[None] & (seal_rank[None] < n_hbm_free[:, None])  # [L, B]
+    keep, seal_rank = seal_keeps(seal, n_hbm_free)  # [L, B], [B]
     spill = seal[None] & ~keep
     tail_slot = jnp.where(keep, take(hbm_list, jnp.broadcast_to(seal_rank, (L, B))), old_slot)
     # the block that seals: old_j where `seal`; the last block of a sequence that fills max_len

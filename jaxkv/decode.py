@@ -78,12 +78,12 @@ from jaxkv.decode_state import (
     copied_demotions,
     initial_state,
     new_window,
+    next_window,
     record_step,
     step_latency,
     summarize,
 )
 from jaxkv.model_api import bind, check_model
-from jaxkv.pricing import adapt_window
 from jaxkv.sampling import Greedy, Sampling, eos_ids, is_eos
 
 __all__ = [
@@ -532,7 +532,7 @@ class Decoder:
 
     def _window(self, state: DecodeState) -> tuple[DecodeState, jax.Array]:
         """The window boundary, between steps: observe -> plan (-> migrate -> compact), and
-        the next W (`_next_window`).
+        the next W (`next_window`).
 
         Returns:
           (state, [layers] int32 blocks migrated here)."""
@@ -559,7 +559,7 @@ class Decoder:
             )
         m = state.metrics
         metrics = replace(m, migrated_blocks=m.migrated_blocks + moved.sum(), windows=windows)
-        window, hit = self._next_window(state.placement, policy_state)
+        window, hit = next_window(self.policy, p, state.placement, policy_state)
         state = replace(
             state,
             cache=cache,
@@ -568,21 +568,6 @@ class Decoder:
             metrics=metrics,
         )
         return state, moved
-
-    def _next_window(self, pl: PlacementState, policy_state):
-        """(the next W, the ending window's HBM hit rate). The adaptive window has one
-        controller, `adapt_window`: the policy's own for an adaptive anneal policy, else this
-        loop's when `adaptive_window`; W stays otherwise."""
-        p = self.placement
-        hit = pl.win_hbm / jnp.maximum(pl.win_total, 1.0)
-        window = pl.window
-        if self.policy.adapts_window:
-            window = self.policy.next_window(policy_state)
-        elif p.adaptive_window:
-            window = adapt_window(
-                window, hit, pl.prev_hit, p.min_window, p.max_window, p.window_step
-            )
-        return window, hit
 
     def _generate_impl(self, params, state: DecodeState, until) -> DecodeState:
         c = self.cache_config

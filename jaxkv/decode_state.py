@@ -31,6 +31,7 @@ from jaxkv._pytree import pytree_dataclass, replace
 from jaxkv.cache_layout import ring_window
 from jaxkv.config import CacheConfig
 from jaxkv.cost import layer_step_time
+from jaxkv.pricing import adapt_window
 
 PAD_ID = -1  # the token buffer's entry after a sequence's last token (never a valid id)
 
@@ -189,6 +190,33 @@ def new_window(window, prev_hit, policy) -> PlacementState:
     )
 
 
+def next_window(policy, p, pl: PlacementState, policy_state):
+    """(the next W, the ending window's HBM hit rate) at a plan of `policy` under the
+    PlacementConfig `p`. The adaptive window has one controller, `adapt_window`: the policy's
+    own for an adaptive anneal policy, else the decode loop's when `p.adaptive_window`; W stays
+    otherwise."""
+    hit = pl.win_hbm / jnp.maximum(pl.win_total, 1.0)
+    window = pl.window
+    if policy.adapts_window:
+        window = policy.next_window(policy_state)
+    elif p.adaptive_window:
+        window = adapt_window(window, hit, pl.prev_hit, p.min_window, p.max_window, p.window_step)
+    return window, hit
+
+
+def read_bytes(c: CacheConfig, read_hbm, read_host, lengths):
+    """([layers] f32, [layers] f32): the KV bytes a step reads from HBM and over the link,
+    from its block reads [layers, batch, max_blocks] bool (the tail in read_hbm) by sequences
+    `lengths` [batch] tokens long before the step. FP8 blocks count their FP8 bytes; under
+    fp8="age" the ring's reads are at full precision."""
+    hbm_b = read_hbm.sum(axis=(1, 2)) * float(c.hbm_block_bytes)
+    if c.ring_blocks:
+        ring = (read_hbm & ring_window(c, lengths)[None]).sum(axis=(1, 2))
+        hbm_b += ring * float(c.block_bytes - c.hbm_block_bytes)
+    host_b = read_host.sum(axis=(1, 2)) * float(c.host_block_bytes)
+    return hbm_b, host_b
+
+
 def record_step(
     c: CacheConfig, state: DecodeState, cache, sampled, reads, promoted, demoted
 ) -> tuple[DecodeState, jax.Array, jax.Array]:
@@ -218,11 +246,7 @@ def record_step(
         step,
         state.cache.sealed.reshape(L, N),
     )
-    hbm_b = read_hbm.sum(axis=(1, 2)) * float(c.hbm_block_bytes)  # [L]
-    if c.ring_blocks:  # fp8="age": the ring's reads are at full precision
-        ring = (read_hbm & ring_window(c, state.cache.lengths)[None]).sum(axis=(1, 2))
-        hbm_b += ring * float(c.block_bytes - c.hbm_block_bytes)
-    host_b = read_host.sum(axis=(1, 2)) * float(c.host_block_bytes)  # FP8 host blocks: less
+    hbm_b, host_b = read_bytes(c, read_hbm, read_host, state.cache.lengths)
     n_hbm, n_all = read_hbm.sum().astype(jnp.float32), read.sum().astype(jnp.float32)
     m = state.metrics
     metrics = replace(
@@ -308,6 +332,13 @@ def link_migration_bytes(c: CacheConfig, moved, demoted):
     return crossed.astype(jnp.float32) * float(c.host_block_bytes)
 
 
+def token_write_bytes(c: CacheConfig) -> float:
+    """HBM bytes a step writes per layer for the new tokens (fp8="age": into the ring, plus
+    their FP8 copy at sealing, amortized)."""
+    extra = c.hbm_block_bytes if c.ring_blocks else 0
+    return float(c.batch * (c.block_bytes + extra) / c.block_size)
+
+
 def step_latency(
     c: CacheConfig, profile, weight_bytes, hbm_b, host_b, moved, promoted, demoted, link_mig=None
 ):
@@ -315,8 +346,7 @@ def step_latency(
     from its reads, its token write and its migrations ([layers] blocks each); `link_mig`: the
     link's migration bytes [layers] when others share it (jaxkv.sharded)."""
     bb = float(c.hbm_block_bytes)  # what a migration writes or reads in the HBM pool
-    # the token's write (fp8="age": into the ring, plus its FP8 copy at sealing, amortized)
-    write_b = float(c.batch * (c.block_bytes + (bb if c.ring_blocks else 0)) / c.block_size)
+    write_b = token_write_bytes(c)
     # as in the simulator (docs/paper.md): a copied block crosses the link once and touches HBM
     # once, in its step; a follow promotion rides on the step's host read (HBM only); a
     # write-through demotion only frees its HBM slot (no copy)

@@ -56,14 +56,24 @@ def plan_moves(
         sliding window has passed, which are never read again); block order otherwise.
     """
     c = cache.config
-    L = c.num_layers
-    N = c.batch * c.max_blocks
-    target = target.reshape(L, N)
-    sealed = cache.sealed.reshape(L, N)
-    in_hbm = cache.in_hbm.reshape(L, N)
+    L, N = c.num_layers, c.batch * c.max_blocks
+    return plan_moves_masks(
+        cache.in_hbm.reshape(L, N),
+        cache.sealed.reshape(L, N),
+        jnp.sum(cache.hbm_free, axis=1),
+        target.reshape(L, N),
+        max_moves,
+        demote_first=demote_first,
+    )
+
+
+def plan_moves_masks(in_hbm, sealed, n_free, target, max_moves: int, *, demote_first=None) -> Moves:
+    """`plan_moves` on placement masks: in_hbm, sealed, target [layers, N] bool and n_free
+    [layers] free HBM slots (the simulator's replay of the decode loop, `jaxkv.sim.loop`, plans
+    its moves with this same function)."""
+    L, N = in_hbm.shape
     want_in = target & sealed & ~in_hbm
     want_out = in_hbm & ~target
-    n_free = jnp.sum(cache.hbm_free, axis=1)  # [L]
     k = max(0, min(max_moves, N))
 
     def first_k(mask, first=None):  # the first k set entries per layer (vectorized, top_k)

@@ -8,6 +8,16 @@ import jax
 import jax.numpy as jnp
 
 
+def seal_keeps(seal, n_free):
+    """Where the blocks sealing at a step go: ([layers, batch] bool, the sealing blocks that keep
+    their HBM slot; [batch] int32, each sealing sequence's rank). Per layer the sealing
+    sequences (seal [batch] bool) take the `n_free` [layers] free HBM slots (the new tails')
+    in sequence order; the others spill to host. The cache's `advance` and the simulator's
+    replay of the decode loop (`jaxkv.sim.loop`) place sealed blocks by this rule."""
+    rank = jnp.maximum(jnp.cumsum(seal) - 1, 0)
+    return seal[None] & (rank[None] < n_free[:, None]), rank
+
+
 def first_free(free, k: int):
     """The first `k` free slots of each row, in slot order (vectorized: top_k, no loop).
 

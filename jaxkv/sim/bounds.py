@@ -108,9 +108,10 @@ def min_link_crossings(
     Args:
       reads: [T, layers, N] bool (array-like) or a `PackedReads`.
       init_in_hbm: [N] or [layers, N] bool, HBM content before step 0.
-      new_blocks: [T] int, the block sealed at step t (free in HBM at step t), -1 for none;
-        a block is sealed at most once and neither read nor in `init_in_hbm` before (the
-        optimality argument needs it; the simulator's blocks are so).
+      new_blocks: [T] int, the block sealed at step t (free in HBM at step t), -1 for none,
+        or a [T, N] bool mask of the blocks sealed at each step (several sequences); a block
+        is sealed at most once and neither read nor in `init_in_hbm` before (the optimality
+        argument needs it; the simulator's blocks are so).
       capacity: C, HBM blocks per layer.
       max_elements: working-set size (steps x layers x N) of one slab.
     Returns:
@@ -126,9 +127,16 @@ def min_link_crossings(
         def get(t0, t1, l0, l1):
             return reads[t0:t1, l0:l1]
 
-    new_blocks = np.asarray(new_blocks, np.int64)
-    if new_blocks.shape != (T,):
-        raise ValueError(f"new_blocks must have shape ({T},), got {new_blocks.shape}")
+    new_blocks = np.asarray(new_blocks)
+    if new_blocks.shape == (T,):  # one block index per step: as a mask
+        idx = new_blocks.astype(np.int64)
+        new_blocks = np.zeros((T, N), bool)
+        new_blocks[np.flatnonzero(idx >= 0), idx[idx >= 0]] = True
+    elif new_blocks.shape != (T, N) or new_blocks.dtype != bool:
+        raise ValueError(
+            f"new_blocks has shape {new_blocks.shape} and dtype {new_blocks.dtype}: expected "
+            f"({T},) ints (a block index per step, -1 for none) or a ({T}, {N}) bool mask"
+        )
     init = np.broadcast_to(np.asarray(init_in_hbm, bool), (L, N))
     C = int(capacity)
     if C < 0:
@@ -168,9 +176,7 @@ def _belady(get, T, N, starts, s, l0, l1, init, new_blocks, C):
         for i in range(b - a - 1, -1, -1):
             nu[i] = np.where(r[i], a + i, nu[i + 1])
         for i in range(b - a):
-            nb = new_blocks[a + i]
-            if nb >= 0:
-                cand[:, nb] = True
+            cand |= new_blocks[a + i]
             key = np.where(cand, nu[i], NEVER)
             keep = key < NEVER  # candidates read again (at this step or later)
             if C == 0:

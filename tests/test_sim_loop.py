@@ -1,0 +1,123 @@
+"""The simulator's replay of the decode loop (`jaxkv.sim.loop`) against the decode loop itself:
+a decode's recorded reads, replayed through the simulator with the same policy and settings,
+give the same hit counts and migrations exactly and the same modeled latency (issue 32)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
+from jaxkv.decode import Decoder
+from jaxkv.sim import loop
+
+# a link 10^4 times slower than HBM: the tiny model's steps are link-bound, placement matters
+SLOW_LINK = HardwareProfile("slow-link", hbm_bandwidth=1e13, link_bandwidth=1e9, hbm_bytes=1e9)
+WT, EX = "write-through", "exclusive"
+STEPS = 20
+
+
+def _decoder(model, policy, host_tier, attention="sparse", **placement):
+    cfg = CacheConfig.for_model(
+        model.config, batch=2, max_len=96, block_size=8, hbm_fraction=0.25, host_tier=host_tier
+    )
+    kw = dict(policy=policy, window=3, attention=attention, topk=3, max_moves=4) | placement
+    return Decoder(model, cfg, PlacementConfig(**kw), max_new_tokens=24, profile=SLOW_LINK)
+
+
+def _record(tiny, policy, host_tier, **kw):
+    model, params = tiny
+    dec = _decoder(model, policy, host_tier, **kw)
+    prompts = jax.random.randint(jax.random.key(7), (2, 45), 0, 256).astype(jnp.int32)
+    state = dec.prefill(params, prompts, (45, 30))
+    rec, state = loop.record(dec, params, state, STEPS)
+    return dec, rec, state
+
+
+def _assert_same(decoded, replayed):
+    """Hit counts and migrations exactly, bytes and latency to 1e-6 relative."""
+    for f in ("moved", "hbm_reads", "reads"):
+        np.testing.assert_array_equal(getattr(replayed, f), getattr(decoded, f), err_msg=f)
+    for f in ("latency", "hbm_bytes", "host_bytes"):
+        np.testing.assert_allclose(getattr(replayed, f), getattr(decoded, f), rtol=1e-6, err_msg=f)
+
+
+@pytest.fixture(scope="module")
+def static_wt(tiny):
+    return _record(tiny, "static", WT)
+
+
+@pytest.mark.parametrize(
+    "policy,host_tier",
+    [
+        ("static", WT),
+        ("lru", WT),
+        ("lru", EX),
+        ("anneal+reuse+follow", WT),
+        # the default suite holds the live policy's write-through case; these run in make test-slow
+        pytest.param("anneal+reuse+follow", EX, marks=pytest.mark.slow),
+        pytest.param("anneal", EX, marks=pytest.mark.slow),
+    ],
+)
+def test_replay_equals_the_decode_loop(tiny, static_wt, policy, host_tier):
+    """Per step: the replay of the decode's own reads equals its metrics, and the replay of
+    Static's reads under this policy equals them too (a sparse selection depends on the logical
+    blocks only); the placement after the last step is the cache's."""
+    dec, rec, state = _record(tiny, policy, host_tier)
+    setup = loop.LoopSetup.of(dec)
+    got = loop.replay(setup, rec)
+    _assert_same(rec.decoded, got.metrics)
+    np.testing.assert_array_equal(got.in_hbm, np.asarray(state.cache.in_hbm))
+    assert got.plans == int(state.metrics.windows)
+    if policy != "static":  # the migrations are the policy's, not a trivial zero
+        assert int(np.sum(rec.decoded.moved)) > 0
+    np.testing.assert_array_equal(static_wt[1].reads, rec.reads)  # same reads, any placement
+    _assert_same(rec.decoded, loop.replay(setup, static_wt[1]).metrics)
+
+
+def test_exact_attention_replays_too(tiny):
+    dec, rec, state = _record(tiny, "lru", EX, attention="exact", window=2)
+    assert rec.reads[:, :, 0, : 45 // 8 + 1].all()  # every block read
+    _assert_same(rec.decoded, loop.replay(loop.LoopSetup.of(dec), rec).metrics)
+
+
+def test_bounds_hold_for_every_policy(tiny, static_wt):
+    """The loop-accounting bounds are below every replayed policy's modeled time, and ordered."""
+    dec, rec, _ = static_wt
+    b = loop.bounds(loop.LoopSetup.of(dec), rec)
+    assert b["unlimited"] <= b["capacity"] <= b["best"] and b["unlimited"] <= b["cache"]
+    assert b["cache"] <= b["best"]
+    for policy in ("static", "lru"):
+        setup = loop.LoopSetup.of(_decoder(tiny[0], policy, WT))
+        seconds = loop.replay(setup, rec).summary()["modeled_seconds"]
+        assert b["best"] <= seconds * (1 + 1e-6), policy
+    assert sum(b["crossings"]) > 0
+
+
+def test_record_refuses_steps_past_the_token_buffer(tiny, static_wt):
+    model, params = tiny
+    dec = _decoder(model, "lru", WT)
+    prompts = jnp.zeros((2, 45), jnp.int32)
+    state = dec.prefill(params, prompts, (45, 30))
+    with pytest.raises(ValueError, match=r"record: 30 steps .* steps <= 23"):
+        loop.record(dec, params, state, 30)
+    with pytest.raises(ValueError, match="steps=0: expected a positive int"):
+        loop.record(dec, params, state, 0)
+
+
+def test_replay_refuses_another_geometry(tiny, static_wt):
+    model, _ = tiny
+    cfg = CacheConfig.for_model(model.config, batch=1, max_len=96, block_size=8, hbm_fraction=0.25)
+    dec = Decoder(model, cfg, PlacementConfig(policy="lru"), max_new_tokens=24)
+    with pytest.raises(ValueError, match=r"expected \[steps, 2, 1, 12\]"):
+        loop.replay(loop.LoopSetup.of(dec), static_wt[1])
+
+
+def test_bounds_refuse_fp8(tiny, static_wt):
+    model, _ = tiny
+    cfg = CacheConfig.for_model(
+        model.config, batch=2, max_len=96, block_size=8, hbm_fraction=0.25, fp8="host"
+    )
+    dec = Decoder(model, cfg, PlacementConfig(policy="lru"), max_new_tokens=24)
+    with pytest.raises(ValueError, match="fp8='host': expected fp8='off'"):
+        loop.bounds(loop.LoopSetup.of(dec), static_wt[1])
