@@ -438,7 +438,7 @@ class Decoder:
 
         Returns:
           (logits, cache, (read_hbm, read_host, mass) [layers, batch, max_blocks],
-           the layers' `FollowMoves`, () without follow)."""
+           the layers' `FollowMoves`, None without follow)."""
         c, p = self.cache_config, self.placement
         model = bind(self.graphdef, params)
         attn_len = state.cache.lengths + active.astype(jnp.int32)
@@ -475,7 +475,7 @@ class Decoder:
             return out.astype(q.dtype), (cache, reads, fol)
 
         reads0 = (jnp.zeros((L, B, M), bool), jnp.zeros((L, B, M), bool), jnp.zeros((L, B, M)))
-        fol0 = empty_follow_moves(c, p.max_moves) if follow else ()
+        fol0 = empty_follow_moves(c, p.max_moves) if follow else None
         with jax.named_scope("model"):
             logits, (cache, reads, fol) = model.decode_step(
                 state.sampling.last, state.cache.lengths, attend, (state.cache, reads0, fol0)
