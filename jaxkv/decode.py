@@ -74,6 +74,7 @@ from jaxkv.decode_state import (
     Prefilled,
     SamplingState,
     Statistics,
+    StepReads,
     check_finite,
     copied_demotions,
     initial_state,
@@ -437,8 +438,8 @@ class Decoder:
         blocks from both tiers and attends (and, for `follow`, gathers its moves).
 
         Returns:
-          (logits, cache, (read_hbm, read_host, mass) [layers, batch, max_blocks],
-           the layers' `FollowMoves`, None without follow)."""
+          (logits, cache, the layers' `StepReads`, their `FollowMoves`, None without
+           follow)."""
         c, p = self.cache_config, self.placement
         model = bind(self.graphdef, params)
         attn_len = state.cache.lengths + active.astype(jnp.int32)
@@ -463,10 +464,7 @@ class Decoder:
                 return_staging=True,
                 window=None if windows is None else windows[layer],
             )
-            reads = tuple(
-                r.at[layer].set(x)
-                for r, x in zip(reads, (st.read_hbm, st.read_host, st.mass), strict=True)
-            )
+            reads = reads.with_layer(layer, st)
             if follow:
                 admit = self.policy.follow.admit
                 fol = follow_layer(
@@ -474,7 +472,7 @@ class Decoder:
                 )
             return out.astype(q.dtype), (cache, reads, fol)
 
-        reads0 = (jnp.zeros((L, B, M), bool), jnp.zeros((L, B, M), bool), jnp.zeros((L, B, M)))
+        reads0 = StepReads.zeros(L, B, M)
         fol0 = empty_follow_moves(c, p.max_moves) if follow else None
         with jax.named_scope("model"):
             logits, (cache, reads, fol) = model.decode_step(
