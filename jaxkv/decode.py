@@ -480,11 +480,11 @@ class Decoder:
             )
         return logits, cache, reads, fol
 
-    def _sample(self, sm: SamplingState, logits, active):
-        """The next token of every active sequence (the others keep theirs), in the token
-        buffer, which sequences are done, and the first step whose logits were not finite:
-        (key, next, tokens, done, bad_step). A sequence with non-finite logits stops there
-        (its token is PAD_ID)."""
+    def _sample(self, sm: SamplingState, logits, active) -> SamplingState:
+        """The sampling state after this step: the next token of every active sequence (the
+        others keep theirs), in the token buffer, which sequences are done, the first step
+        whose logits were not finite, the step count. A sequence with non-finite logits stops
+        there (its token is PAD_ID)."""
         key, sub = jax.random.split(sm.key)
         col = jnp.minimum(sm.step + 1, self.max_new_tokens - 1)
         bad = active & ~jnp.all(jnp.isfinite(logits), axis=-1)
@@ -494,7 +494,9 @@ class Decoder:
         nxt = jnp.where(active, nxt, sm.last)
         tokens = sm.tokens.at[:, col].set(jnp.where(active, nxt, sm.tokens[:, col]))
         done = sm.done | bad | (active & is_eos(nxt, self.eos_id))
-        return key, nxt, tokens, done, bad_step
+        return SamplingState(
+            tokens=tokens, last=nxt, done=done, step=sm.step + 1, key=key, bad_step=bad_step
+        )
 
     def _step_latency(self, hbm_b, host_b, moved, promoted, demoted, link_mig=None):
         """[] f32: the step's modeled seconds (`jaxkv.decode_state.step_latency`); `link_mig`:

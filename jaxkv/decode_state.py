@@ -220,7 +220,13 @@ def new_window(window, prev_hit, policy) -> PlacementState:
 
 
 def record_step(
-    c: CacheConfig, state: DecodeState, cache, sampled, reads: StepReads, promoted, demoted
+    c: CacheConfig,
+    state: DecodeState,
+    cache,
+    sampled: SamplingState,
+    reads: StepReads,
+    promoted,
+    demoted,
 ) -> tuple[DecodeState, jax.Array, jax.Array]:
     """The state after one decode step, before any plan: the new cache and sampling state, the
     read statistics, the window's hit counts and the step's metrics (but for its latency).
@@ -229,15 +235,13 @@ def record_step(
       c: the cache's config.
       state: the state before the step.
       cache: the cache after the step.
-      sampled: (key, next tokens [batch], token buffer, done [batch], bad_step [batch]) after
-        sampling.
+      sampled: the sampling state after the step (its tokens and step count advanced).
       reads: the step's block reads, every layer's.
       promoted, demoted: [layers] int32 blocks the step's follow moves migrated.
 
     Returns:
       (state, hbm_b, host_b): the KV bytes the step read from each tier, [layers] f32."""
     L, N = c.num_layers, c.batch * c.max_blocks
-    key, nxt, tokens, done, bad_step = sampled
     read_hbm, read_host, mass = reads.read_hbm, reads.read_host, reads.mass
     step = state.sampling.step
     read = read_hbm | read_host
@@ -267,9 +271,7 @@ def record_step(
     pl = state.placement
     state = DecodeState(
         cache=cache,
-        sampling=SamplingState(
-            tokens=tokens, last=nxt, done=done, step=step + 1, key=key, bad_step=bad_step
-        ),
+        sampling=sampled,
         placement=replace(
             pl,
             since_plan=pl.since_plan + 1,
