@@ -47,6 +47,18 @@ class AttentionStats:
     mass: jax.Array  # [batch, max_blocks] float32: attention probability summed over q heads
 
 
+@pytree_dataclass
+class AttentionPart:
+    """One part of a layer's attention (the HBM pool's, the fp8 ring's or the host's blocks),
+    before `tiered_attention` merges the parts by log-sum-exp."""
+
+    out: jax.Array  # [batch, q_heads, head_dim] f32, normalised over the part's own tokens
+    lse: jax.Array  # [batch, q_heads] f32: log-sum-exp of its logits (-inf: nothing attended)
+    # [batch, q_heads, max_blocks] f32 log-sum-exp per logical block (-inf: not attended);
+    # None from the Pallas kernel, which does not return it
+    block_lse: jax.Array | None
+
+
 def quest_scores(q, kmin, kmax):
     """Quest upper bound on each block's attention logit, summed over query heads.
 
@@ -248,14 +260,20 @@ def resolve_impl(impl: str, config) -> str:
 
 
 def _kernel_part(q, k_pool, v_pool, table, mask, lengths, scale, layer=None, starts=None, fp8=None):
-    """(out, lse, None) of one part read by the Pallas kernel; `fp8`: the FP8 pools' (k, v)
+    """One part read by the Pallas kernel (no `block_lse`); `fp8`: the FP8 pools' (k, v)
     scales, or None."""
     ks, vs = (None, None) if fp8 is None else fp8
     out, lse = blocked_attention(
         q, k_pool, v_pool, table, mask, lengths, scale=scale, layer=layer, starts=starts,
         k_scale=ks, v_scale=vs,
     )  # fmt: skip
-    return out, lse, None
+    return AttentionPart(out=out, lse=lse, block_lse=None)
+
+
+def _compact_part(q, k, v, ids, lengths, scale, max_blocks: int, starts) -> AttentionPart:
+    """One part read on the XLA path, over blocks laid out per sequence (`attend_compact`)."""
+    out, lse, block_lse = attend_compact(q, k, v, ids, lengths, scale, max_blocks, starts)
+    return AttentionPart(out=out, lse=lse, block_lse=block_lse)
 
 
 def tiered_attention(
@@ -315,17 +333,17 @@ def tiered_attention(
     n_stage = staging_blocks(placement, c.max_blocks)
     scale_f = float(1.0 / math.sqrt(D) if scale is None else scale)
     lay = jnp.clip(jnp.asarray(layer, jnp.int32), 0, c.num_layers - 1)
-    parts = []
     with jax.named_scope("hbm_part"):
         if impl == "pallas":
             fp8 = (cache.hbm_ks, cache.hbm_vs) if c.fp8_in("hbm") else None
             pool = (cache.hbm_k, cache.hbm_v, slot, read_pool)
-            parts.append(_kernel_part(q, *pool, lengths, scale, lay, starts, fp8))
+            hbm_part = _kernel_part(q, *pool, lengths, scale, lay, starts, fp8)
         else:  # gather only the blocks this part reads (at most min(M, HBM slots) each)
             ids_h = compact_ids(read_pool, max(1, min(c.max_blocks, c.hbm_slots)))
             at = jnp.take_along_axis(slot, jnp.maximum(ids_h, 0), axis=1)
             kh, vh = read_hbm_blocks(cache, lay, jnp.clip(at, 0, c.hbm_slots - 1))
-            parts.append(attend_compact(q, kh, vh, ids_h, lengths, scale_f, c.max_blocks, starts))
+            hbm_part = _compact_part(q, kh, vh, ids_h, lengths, scale_f, c.max_blocks, starts)
+    ring_part = None
     if c.ring_blocks:  # fp8="age": the recent blocks, at full precision, laid out per sequence
         with jax.named_scope("ring_part"):
             W = c.ring_blocks
@@ -335,30 +353,29 @@ def tiered_attention(
                     jnp.arange(c.max_blocks, dtype=jnp.int32)[None] % W
                 )
                 ring = (cache.ring_k.reshape(flat), cache.ring_v.reshape(flat), table, read_ring)
-                parts.append(_kernel_part(q, *ring, lengths, scale, lay, starts))
+                ring_part = _kernel_part(q, *ring, lengths, scale, lay, starts)
             else:
                 ids_r = ring_ids(c, cache.lengths, read_ring)
                 kr, vr = cache.ring_k[lay], cache.ring_v[lay]
-                parts.append(
-                    attend_compact(q, kr, vr, ids_r, lengths, scale_f, c.max_blocks, starts)
-                )
+                ring_part = _compact_part(q, kr, vr, ids_r, lengths, scale_f, c.max_blocks, starts)
     with jax.named_scope("host_part"):
         sk, sv, stable, ids_x = fetch_host_blocks(cache, layer, read_host, n_stage)
         if impl == "pallas":
-            parts.append(_kernel_part(q, sk, sv, stable, read_host, lengths, scale, None, starts))
+            host_part = _kernel_part(q, sk, sv, stable, read_host, lengths, scale, None, starts)
         else:  # the staging pool is already laid out per sequence: read in place
             K = ids_x.shape[1]
             kx = sk.reshape(c.batch, K, *sk.shape[1:])
             vx = sv.reshape(c.batch, K, *sv.shape[1:])
-            parts.append(attend_compact(q, kx, vx, ids_x, lengths, scale_f, c.max_blocks, starts))
-    outs, lses, blses = zip(*parts, strict=True)
-    out, lse = merge_partials(jnp.stack(outs), jnp.stack(lses))
-    if blses[0] is None:
+            host_part = _compact_part(q, kx, vx, ids_x, lengths, scale_f, c.max_blocks, starts)
+    # merged in this order (HBM, ring, host): the sum's order, so the result's bits, follow it
+    parts = [p for p in (hbm_part, ring_part, host_part) if p is not None]
+    out, lse = merge_partials(jnp.stack([p.out for p in parts]), jnp.stack([p.lse for p in parts]))
+    if impl == "pallas":  # the kernel returns no per-block log-sum-exp
         mass = jnp.zeros(selected.shape, jnp.float32)
-    else:
-        blse = jnp.where(read_host[:, None, :], blses[-1], blses[0])  # [B, H, M]
-        if c.ring_blocks:
-            blse = jnp.where(read_ring[:, None, :], blses[1], blse)
+    else:  # each block's from the part that read it
+        blse = jnp.where(read_host[:, None, :], host_part.block_lse, hbm_part.block_lse)
+        if ring_part is not None:
+            blse = jnp.where(read_ring[:, None, :], ring_part.block_lse, blse)  # [B, H, M]
         safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
         mass = jnp.where(selected[:, None], jnp.exp(blse - safe[..., None]), 0.0).sum(axis=1)
     read_hbm = read_pool | read_ring if c.ring_blocks else read_pool  # the ring is HBM too

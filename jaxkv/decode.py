@@ -74,6 +74,7 @@ from jaxkv.decode_state import (
     Prefilled,
     SamplingState,
     Statistics,
+    StepReads,
     check_finite,
     copied_demotions,
     initial_state,
@@ -437,8 +438,8 @@ class Decoder:
         blocks from both tiers and attends (and, for `follow`, gathers its moves).
 
         Returns:
-          (logits, cache, (read_hbm, read_host, mass) [layers, batch, max_blocks],
-           the layers' `FollowMoves`, () without follow)."""
+          (logits, cache, the layers' `StepReads`, their `FollowMoves`, None without
+           follow)."""
         c, p = self.cache_config, self.placement
         model = bind(self.graphdef, params)
         attn_len = state.cache.lengths + active.astype(jnp.int32)
@@ -463,10 +464,7 @@ class Decoder:
                 return_staging=True,
                 window=None if windows is None else windows[layer],
             )
-            reads = tuple(
-                r.at[layer].set(x)
-                for r, x in zip(reads, (st.read_hbm, st.read_host, st.mass), strict=True)
-            )
+            reads = reads.with_layer(layer, st)
             if follow:
                 admit = self.policy.follow.admit
                 fol = follow_layer(
@@ -474,19 +472,19 @@ class Decoder:
                 )
             return out.astype(q.dtype), (cache, reads, fol)
 
-        reads0 = (jnp.zeros((L, B, M), bool), jnp.zeros((L, B, M), bool), jnp.zeros((L, B, M)))
-        fol0 = empty_follow_moves(c, p.max_moves) if follow else ()
+        reads0 = StepReads.zeros(L, B, M)
+        fol0 = empty_follow_moves(c, p.max_moves) if follow else None
         with jax.named_scope("model"):
             logits, (cache, reads, fol) = model.decode_step(
                 state.sampling.last, state.cache.lengths, attend, (state.cache, reads0, fol0)
             )
         return logits, cache, reads, fol
 
-    def _sample(self, sm: SamplingState, logits, active):
-        """The next token of every active sequence (the others keep theirs), in the token
-        buffer, which sequences are done, and the first step whose logits were not finite:
-        (key, next, tokens, done, bad_step). A sequence with non-finite logits stops there
-        (its token is PAD_ID)."""
+    def _sample(self, sm: SamplingState, logits, active) -> SamplingState:
+        """The sampling state after this step: the next token of every active sequence (the
+        others keep theirs), in the token buffer, which sequences are done, the first step
+        whose logits were not finite, the step count. A sequence with non-finite logits stops
+        there (its token is PAD_ID)."""
         key, sub = jax.random.split(sm.key)
         col = jnp.minimum(sm.step + 1, self.max_new_tokens - 1)
         bad = active & ~jnp.all(jnp.isfinite(logits), axis=-1)
@@ -496,7 +494,9 @@ class Decoder:
         nxt = jnp.where(active, nxt, sm.last)
         tokens = sm.tokens.at[:, col].set(jnp.where(active, nxt, sm.tokens[:, col]))
         done = sm.done | bad | (active & is_eos(nxt, self.eos_id))
-        return key, nxt, tokens, done, bad_step
+        return SamplingState(
+            tokens=tokens, last=nxt, done=done, step=sm.step + 1, key=key, bad_step=bad_step
+        )
 
     def _step_latency(self, hbm_b, host_b, moved, promoted, demoted, link_mig=None):
         """[] f32: the step's modeled seconds (`jaxkv.decode_state.step_latency`); `link_mig`:

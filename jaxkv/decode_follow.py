@@ -5,13 +5,8 @@ layer's body, `follow_layer` runs the vector rule `jaxkv.policies.follow_moves`:
 host blocks the layer reads that the target marks for HBM, from the copies the read has just
 fetched (no second link read), and demotes, to make room, resident blocks the target leaves out.
 The layers' moves are gathered in per-layer lists, `FollowMoves`, carried through the layer scan;
-after the layers `apply_follow_moves` applies them all in one bulk migration.
-
-`FollowMoves` is a tuple of arrays, K = min(max_moves, batch * max_blocks):
-  (promote [layers, K] int32, num_promote [layers] int32,
-   demote [layers, K] int32, num_demote [layers] int32,
-   promoted keys [layers, K, block_size, kv_heads, head_dim],
-   promoted values [layers, K, block_size, kv_heads, head_dim])
+after the layers `apply_follow_moves` applies them all in one bulk migration. Without a follow
+policy the scan carries None in their place (`jaxkv.decode.Decoder._run_layers`).
 """
 
 from __future__ import annotations
@@ -20,10 +15,24 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import cache as kvc
+from jaxkv._pytree import pytree_dataclass, replace
 from jaxkv.config import CacheConfig
 from jaxkv.policies import follow_moves
 
-FollowMoves = tuple  # see the module docstring
+
+@pytree_dataclass
+class FollowMoves:
+    """Every layer's follow moves of one step, K = min(max_moves, batch * max_blocks) a layer;
+    row l is layer l's (`follow_layer` writes it), entries past its count are unused."""
+
+    promote: jax.Array  # [layers, K] int32: the blocks (of batch * max_blocks) promoted to HBM
+    num_promote: jax.Array  # [layers] int32: entries of `promote` in use
+    demote: jax.Array  # [layers, K] int32: the resident blocks demoted to make room
+    num_demote: jax.Array  # [layers] int32: entries of `demote` in use
+    # [layers, K, block_size, kv_heads, head_dim] cache dtype: the keys of each promoted block,
+    # from the copies the layer's host read fetched (no second link read)
+    promoted_k: jax.Array
+    promoted_v: jax.Array  # [layers, K, block_size, kv_heads, head_dim]: their values
 
 
 def empty_follow_moves(c: CacheConfig, max_moves: int) -> FollowMoves:
@@ -33,7 +42,9 @@ def empty_follow_moves(c: CacheConfig, max_moves: int) -> FollowMoves:
     blk = (c.block_size, c.kv_heads, c.head_dim)
     zi, zn = jnp.zeros((L, K), jnp.int32), jnp.zeros((L,), jnp.int32)
     zb = jnp.zeros((L, K, *blk), c.jnp_dtype)
-    return (zi, zn, zi, zn, zb, zb)
+    return FollowMoves(
+        promote=zi, num_promote=zn, demote=zi, num_demote=zn, promoted_k=zb, promoted_v=zb
+    )
 
 
 def follow_layer(cache, layer, st, staged, pstate, fol: FollowMoves, *, num_blocks, admit):
@@ -49,7 +60,7 @@ def follow_layer(cache, layer, st, staged, pstate, fol: FollowMoves, *, num_bloc
       num_blocks: N = batch * max_blocks.
       admit: `Follow.admit` of the policy."""
     N = num_blocks
-    K = fol[0].shape[1]
+    K = fol.promote.shape[1]
     sealed = cache.sealed[layer].reshape(1, N)
     in_hbm = sealed & (cache.tier[layer].reshape(1, N) == kvc.TIER_HBM)
     reads = (st.read_hbm | st.read_host).reshape(1, N)
@@ -66,14 +77,14 @@ def follow_layer(cache, layer, st, staged, pstate, fol: FollowMoves, *, num_bloc
     )
     sk, sv, stable = staged
     at = jnp.take(stable.reshape(-1), pro[0])  # staging slot of each promoted block
-    P, NP, D, ND, PK, PV = fol
-    return (
-        P.at[layer].set(pro[0]),
-        NP.at[layer].set(n_p[0]),
-        D.at[layer].set(dem[0]),
-        ND.at[layer].set(n_d[0]),
-        PK.at[layer].set(sk[at].astype(PK.dtype)),
-        PV.at[layer].set(sv[at].astype(PV.dtype)),
+    return replace(
+        fol,
+        promote=fol.promote.at[layer].set(pro[0]),
+        num_promote=fol.num_promote.at[layer].set(n_p[0]),
+        demote=fol.demote.at[layer].set(dem[0]),
+        num_demote=fol.num_demote.at[layer].set(n_d[0]),
+        promoted_k=fol.promoted_k.at[layer].set(sk[at].astype(fol.promoted_k.dtype)),
+        promoted_v=fol.promoted_v.at[layer].set(sv[at].astype(fol.promoted_v.dtype)),
     )
 
 
@@ -85,8 +96,14 @@ def apply_follow_moves(cache, fol: FollowMoves, after_reads):
       (cache, promoted [layers] int32, demoted [layers] int32)."""
     with jax.named_scope("follow"):
         before = cache.in_hbm
-        moves = kvc.Moves(demote=fol[2], promote=fol[0], num_demote=fol[3], num_promote=fol[1])
-        cache, _ = kvc.migrate(cache, moves, after_reads=after_reads, fetched=fol[4:])
+        moves = kvc.Moves(
+            demote=fol.demote,
+            promote=fol.promote,
+            num_demote=fol.num_demote,
+            num_promote=fol.num_promote,
+        )
+        fetched = (fol.promoted_k, fol.promoted_v)
+        cache, _ = kvc.migrate(cache, moves, after_reads=after_reads, fetched=fetched)
         now = cache.in_hbm
         promoted = jnp.sum(now & ~before, axis=(1, 2)).astype(jnp.int32)
         demoted = jnp.sum(before & ~now, axis=(1, 2)).astype(jnp.int32)

@@ -50,6 +50,36 @@ class Metrics:
 
 
 @pytree_dataclass
+class StepReads:
+    """What one decode step's layers read, per logical block: every layer's
+    `jaxkv.attention.AttentionStats`, stacked (`record_step` turns it into statistics and
+    metrics)."""
+
+    read_hbm: jax.Array  # [layers, batch, max_blocks] bool: read from HBM (fp8 ring included)
+    read_host: jax.Array  # [layers, batch, max_blocks] bool: read from host memory
+    mass: jax.Array  # [layers, batch, max_blocks] f32: attention probability summed over q heads
+
+    @staticmethod
+    def zeros(num_layers: int, batch: int, max_blocks: int) -> StepReads:
+        """No block read yet, by any layer: the carry the layer scan starts from."""
+        shape = (num_layers, batch, max_blocks)
+        return StepReads(
+            read_hbm=jnp.zeros(shape, bool),
+            read_host=jnp.zeros(shape, bool),
+            mass=jnp.zeros(shape, jnp.float32),
+        )
+
+    def with_layer(self, layer, stats) -> StepReads:
+        """The reads with row `layer` (int or traced int32) set to that layer's
+        `AttentionStats` `stats` ([batch, max_blocks] each)."""
+        return StepReads(
+            read_hbm=self.read_hbm.at[layer].set(stats.read_hbm),
+            read_host=self.read_host.at[layer].set(stats.read_host),
+            mass=self.mass.at[layer].set(stats.mass),
+        )
+
+
+@pytree_dataclass
 class SamplingState:
     # [batch, max_new_tokens] int32; column 0 is the token sampled at prefill, column s the
     # one decode step s sampled; PAD_ID (-1) after a sequence's last token (EOS, a full cache,
@@ -218,7 +248,13 @@ def read_bytes(c: CacheConfig, read_hbm, read_host, lengths):
 
 
 def record_step(
-    c: CacheConfig, state: DecodeState, cache, sampled, reads, promoted, demoted
+    c: CacheConfig,
+    state: DecodeState,
+    cache,
+    sampled: SamplingState,
+    reads: StepReads,
+    promoted,
+    demoted,
 ) -> tuple[DecodeState, jax.Array, jax.Array]:
     """The state after one decode step, before any plan: the new cache and sampling state, the
     read statistics, the window's hit counts and the step's metrics (but for its latency).
@@ -227,16 +263,14 @@ def record_step(
       c: the cache's config.
       state: the state before the step.
       cache: the cache after the step.
-      sampled: (key, next tokens [batch], token buffer, done [batch], bad_step [batch]) after
-        sampling.
-      reads: (read_hbm, read_host, mass), [layers, batch, max_blocks]: the step's block reads.
+      sampled: the sampling state after the step (its tokens and step count advanced).
+      reads: the step's block reads, every layer's.
       promoted, demoted: [layers] int32 blocks the step's follow moves migrated.
 
     Returns:
       (state, hbm_b, host_b): the KV bytes the step read from each tier, [layers] f32."""
     L, N = c.num_layers, c.batch * c.max_blocks
-    key, nxt, tokens, done, bad_step = sampled
-    read_hbm, read_host, mass = reads
+    read_hbm, read_host, mass = reads.read_hbm, reads.read_host, reads.mass
     step = state.sampling.step
     read = read_hbm | read_host
     stats = imp.update_stats(
@@ -261,9 +295,7 @@ def record_step(
     pl = state.placement
     state = DecodeState(
         cache=cache,
-        sampling=SamplingState(
-            tokens=tokens, last=nxt, done=done, step=step + 1, key=key, bad_step=bad_step
-        ),
+        sampling=sampled,
         placement=replace(
             pl,
             since_plan=pl.since_plan + 1,
