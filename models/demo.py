@@ -35,11 +35,14 @@ from jaxkv.config import PROFILES, CacheConfig, PlacementConfig, check_number
 from jaxkv.decode import Decoder, summarize
 from jaxkv.presets import split_policies
 from models.generate import (
+    HBM_KEYWORDS,
+    add_hbm_options,
     chat_prompt,
     check_live_policy,
     check_model_spec,
     decode_text,
     encode,
+    hbm_capacity,
     load_model,
     stop_ids,
 )
@@ -48,8 +51,6 @@ from models.record import check_writable
 DEFAULT_POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow")
 DEFAULT_MODEL = "smollm2"
 DEFAULT_PROMPT_LEN, DEFAULT_NEW_TOKENS = 2048, 64  # `make demo` within minutes on 2 cores
-DEFAULT_HBM_FRACTION = 0.25  # the tiered runs' HBM when no capacity is given
-HBM_KEYWORDS = ("hbm_fraction", "hbm_blocks", "hbm_bytes")  # CacheConfig's, one of them
 QUESTION = "What does this Python module do? Answer in two sentences."
 
 
@@ -104,28 +105,6 @@ def demo_prompt(spec: str, model, tokenizer, n_tokens: int) -> tuple[np.ndarray,
     if tokenizer is not None and spec != "default" and chat_template(model_source(spec)):
         return chat_demo_prompt(spec, tokenizer, n_tokens), True
     return encode_prompt(model, tokenizer, n_tokens), False
-
-
-def hbm_capacity(values: dict, label=lambda name: name) -> dict:
-    """The tiered runs' HBM capacity: the one of hbm_fraction / hbm_blocks / hbm_bytes given in
-    `values` (none: hbm_fraction=0.25) as `{keyword: value}` for `CacheConfig`, checked: a
-    fraction in (0, 1] of the KV footprint, blocks per layer an integer >= 1, bytes (all layers
-    together) a number >= 1, passed on as whole bytes. ValueError names each argument by
-    `label(name)` (the CLI passes its option names) with its value."""
-    given = {k: values[k] for k in HBM_KEYWORDS if values.get(k) is not None}
-    if len(given) > 1:
-        said = ", ".join(f"{label(k)}={v!r}" for k, v in given.items())
-        names = ", ".join(label(k) for k in HBM_KEYWORDS)
-        raise ValueError(f"{said}: expected at most one of {names} (the HBM capacity, once)")
-    name, value = next(iter(given.items()), ("hbm_fraction", DEFAULT_HBM_FRACTION))
-    if name == "hbm_fraction":
-        check_number(label(name), value, low=0.0, high=1.0, low_open=True)
-    elif name == "hbm_blocks":
-        check_number(label(name), value, integer=True, low=1)
-    else:
-        check_number(label(name), value, low=1)
-        value = int(value)
-    return {name: value}
 
 
 def check_demo_args(values: dict, label=lambda name: name) -> None:
@@ -548,14 +527,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN)
     p.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS)
-    hbm = p.add_mutually_exclusive_group()  # the policies' HBM, one way: 25% when none is given
-    hbm.add_argument(
-        "--hbm-fraction",
-        type=float,
-        help=f"HBM holds this fraction of the KV footprint (default {DEFAULT_HBM_FRACTION})",
-    )
-    hbm.add_argument("--hbm-blocks", type=int, help="HBM blocks per layer (tail blocks included)")
-    hbm.add_argument("--hbm-bytes", type=float, help="HBM bytes for the KV of all layers")
+    add_hbm_options(p, "the policies'")  # the all-HBM run's is all of the KV
     p.add_argument(
         "--policies",
         default=",".join(DEFAULT_POLICIES),

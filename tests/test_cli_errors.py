@@ -368,10 +368,11 @@ def test_demo_option_checked_first(capsys, no_work, args, expected):
     assert expected in line and "decoding" not in line
 
 
-def test_demo_takes_one_hbm_capacity(capsys, no_work):
+@pytest.mark.parametrize("command", [["demo"], ["generate", "--prompt", "x"]])
+def test_one_hbm_capacity(capsys, no_work, command):
     """--hbm-fraction, --hbm-blocks and --hbm-bytes say the same thing: one of them."""
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["demo", "--hbm-blocks", "4", "--hbm-fraction", "0.5"])
+        cli.main([*command, "--hbm-blocks", "4", "--hbm-fraction", "0.5"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "argument --hbm-fraction: not allowed with argument --hbm-blocks" in err

@@ -252,3 +252,27 @@ def test_demo_hbm_the_kv_cannot_take_fails_before_decoding(
     monkeypatch.setattr(demo, "Decoder", lambda *a, **k: pytest.fail("decoded before checking"))
     rc, _, err = _tiny_demo(capsys, monkeypatch, tiny, option, value, "--no-plot")
     assert rc == 2 and f"jaxkv demo: error: {expected}" in err, err
+
+
+def test_generate_hbm_in_blocks(capsys, monkeypatch, tiny):
+    """`jaxkv generate --hbm-blocks 1`: the cache gets one HBM block a layer (the tail), so the
+    prompt's sealed blocks are read from the host."""
+    import models.generate as gen
+
+    seen = []
+
+    def decoder(model, cfg, *args, **kwargs):
+        seen.append(cfg)
+        return gen_decoder(model, cfg, *args, **kwargs)
+
+    gen_decoder = gen.Decoder
+    monkeypatch.setattr(gen, "load_model", lambda spec: (tiny[0], None))
+    monkeypatch.setattr(gen, "Decoder", decoder)
+    prompt = "def parse(args):  # forty bytes, 3 blocks"
+    assert (
+        cli.main(["generate", "--prompt", prompt, "--max-new-tokens", "3", "--hbm-blocks", "1"])
+        == 0
+    )
+    [cfg] = seen
+    assert cfg.hbm_blocks == 1 == cfg.hbm_slots and cfg.hbm_fraction is None
+    assert "HBM hit rate 100.0%" not in capsys.readouterr().err
