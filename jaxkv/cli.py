@@ -11,6 +11,9 @@ itself (`signal.set_wakeup_fd`), ends the process `INTERRUPT_GRACE_S` seconds la
 main thread has not got there (it may sit in a compilation or a device computation, which see
 the signal only when they return). Output files are written through `atomic_output`, so an
 interrupt or a failure leaves no half-written file (the watchdog removes the temporary ones).
+The line starts a line of its own: open progress bars are closed first (`_close_bars`), and
+the watchdog, which cannot touch them from its thread, clears a terminal's line or, in a log
+or pipe, ends the bar's line.
 """
 
 from __future__ import annotations
@@ -60,6 +63,24 @@ def _interrupted_line(command: str) -> str:
     return f"jaxkv {command}: interrupted (Ctrl-C); no output file was left half-written"
 
 
+def _open_bars() -> list:
+    """The tqdm progress bars drawn and not closed (none if tqdm was never imported). Never
+    raises: the watchdog thread calls it while the main thread may be changing the set."""
+    std = sys.modules.get("tqdm.std")
+    with contextlib.suppress(Exception):
+        return [b for b in list(std.tqdm._instances) if not getattr(b, "disable", True)]
+    return []
+
+
+def _close_bars() -> None:
+    """Closes every open progress bar (each ends its line, or clears it with leave=False), so
+    what is printed next starts a line; a bar the interrupted code still holds would
+    otherwise be redrawn after it when collected."""
+    for bar in _open_bars():
+        with contextlib.suppress(Exception):
+            bar.close()
+
+
 def _start_watchdog(command: str, handled: threading.Event):
     """After a SIGINT, ends the process with EXIT_INTERRUPTED once INTERRUPT_GRACE_S pass
     without `handled` set (the main thread stuck in native code), removing temporary outputs.
@@ -87,7 +108,8 @@ def _start_watchdog(command: str, handled: threading.Event):
         for tmp in list(_TEMPS):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        clear = "\r\x1b[K" if os.isatty(2) else ""  # over a progress bar left mid-line
+        # a progress bar left mid-line: cleared on a terminal, its line ended in a log or pipe
+        clear = "\r\x1b[K" if os.isatty(2) else ("\n" if _open_bars() else "")
         os.write(2, (clear + _interrupted_line(command) + "\n").encode())
         os._exit(EXIT_INTERRUPTED)
 
@@ -132,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         handled.set()
+        _close_bars()
         print(_interrupted_line(args.command), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     finally:

@@ -90,7 +90,7 @@ class SamplingState:
     step: jax.Array  # [] int32: decode steps taken
     key: jax.Array  # PRNG key
     # [batch] int32: the first token column whose logits held a NaN or inf (0: the prefill's),
-    # -1 if none; `Decoder.generate` raises NonFiniteLogitsError on it after the loop
+    # -1 if none; `Decoder.generate` (and `ShardedDecoder`'s) raise NonFiniteLogitsError on it
     bad_step: jax.Array
 
 
@@ -396,17 +396,20 @@ def step_latency(
 
 
 class NonFiniteLogitsError(FloatingPointError):
-    """A decode produced NaN or inf logits (`Decoder.generate`); `.state` is the state."""
+    """A decode produced NaN or inf logits (`Decoder.generate`, `ShardedDecoder.generate`);
+    `.state` is the state."""
 
     def __init__(self, message: str, state: DecodeState):
         super().__init__(message)
         self.state = state
 
 
-def check_finite(state: DecodeState) -> None:
+def check_finite(state: DecodeState, bad_step=None) -> None:
     """Raises NonFiniteLogitsError naming the first step (the token column; 0 is the
-    prefill's) and the sequences whose logits held a NaN or inf, if any (one host read)."""
-    bad = np.asarray(state.sampling.bad_step).reshape(-1)
+    prefill's) and the sequences whose logits held a NaN or inf, if any (one host read).
+    `bad_step`: [batch] the state's `sampling.bad_step` (default), or those of a sharded state
+    already read back in global sequence order (`jaxkv.sharded.ShardedDecoder.generate`)."""
+    bad = np.asarray(state.sampling.bad_step if bad_step is None else bad_step).reshape(-1)
     if (bad < 0).all():
         return
     first = int(bad[bad >= 0].min())

@@ -57,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 from jaxkv._pytree import replace
 from jaxkv.config import HBM_KIND, CacheConfig, PlacementConfig
 from jaxkv.decode import Decoder
-from jaxkv.decode_state import link_migration_bytes
+from jaxkv.decode_state import check_finite, link_migration_bytes
 
 DATA, MODEL = "data", "model"
 STATE_SPEC = P(DATA, MODEL)
@@ -358,11 +358,19 @@ class ShardedDecoder:
         return self._step_fn(params, state)
 
     def generate(self, params, state, until: int | None = None):
-        """Steps until `until` steps (default max_new_tokens - 1)."""
+        """Steps until `until` steps (default max_new_tokens - 1); the state is donated.
+
+        Raises NonFiniteLogitsError (`.state` holds the state) naming the first step and the
+        (global) sequences whose logits held a NaN or inf, as `Decoder.generate` does: read
+        once after the loop (the steps never sync with the host)."""
         until = self.max_new_tokens - 1 if until is None else min(until, self.max_new_tokens - 1)
         done = _steps(state)
         for _ in range(max(0, until - done)):
             state = self._step_fn(params, state)
+        bad = _host(state.sampling.bad_step)  # [data, model, batch / data]
+        # a sequence's logits are the same on its model shards; the earliest flag if not
+        bad = np.where(bad < 0, np.iinfo(np.int32).max, bad).min(axis=1)
+        check_finite(state, np.where(bad == np.iinfo(np.int32).max, -1, bad).reshape(-1))
         return state
 
     # ---- reading results ----------------------------------------------------------------------

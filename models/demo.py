@@ -7,8 +7,8 @@ once; every decoder starts from that forward pass (`Decoder.prefill(prefilled=..
 is printed, then:
 
 1. Lossless: exact attention (every block read every step) on a GH200 profile; an all-HBM cache
-   and each policy with HBM holding a fraction (25% by default) of the KV footprint; the tokens
-   must be identical everywhere.
+   and each policy with HBM holding a fraction (25% by default) of the KV footprint, or a number
+   of blocks per layer, or bytes (`hbm_capacity`); the tokens must be identical everywhere.
 2. Placement matters: sparse attention (each step reads its top blocks) on a slow link
    (h200-pcie), where which blocks live in HBM decides the step time; the tokens must still
    equal the all-HBM run's (the selection depends on the logical blocks only).
@@ -35,11 +35,14 @@ from jaxkv.config import PROFILES, CacheConfig, PlacementConfig, check_number
 from jaxkv.decode import Decoder, summarize
 from jaxkv.presets import split_policies
 from models.generate import (
+    HBM_KEYWORDS,
+    add_hbm_options,
     chat_prompt,
     check_live_policy,
     check_model_spec,
     decode_text,
     encode,
+    hbm_capacity,
     load_model,
     stop_ids,
 )
@@ -115,7 +118,7 @@ def check_demo_args(values: dict, label=lambda name: name) -> None:
         raise ValueError(
             f"{e} (one sampled at prefill, one warm-up step that compiles, at least one timed step)"
         ) from None
-    check_number(label("hbm_fraction"), values["hbm_fraction"], low=0.0, high=1.0, low_open=True)
+    hbm_capacity(values, label)
     policies = values["policies"]
     if isinstance(policies, str) or not policies:
         raise ValueError(
@@ -143,7 +146,9 @@ def run_demo(
     model: str = DEFAULT_MODEL,
     prompt_len: int = DEFAULT_PROMPT_LEN,
     new_tokens: int = DEFAULT_NEW_TOKENS,
-    hbm_fraction: float = 0.25,
+    hbm_fraction: float | None = None,
+    hbm_blocks: int | None = None,
+    hbm_bytes: float | None = None,
     policies=DEFAULT_POLICIES,
     window: int = 16,
     block_size: int = 16,
@@ -151,14 +156,18 @@ def run_demo(
     profile: str = "gh200",
     progress: bool = True,
 ) -> dict:
-    """Decodes the same prompt with an all-HBM cache and with each policy; returns a summary.
-    Arguments are checked before the model loads (ValueError naming the argument)."""
+    """Decodes the same prompt with an all-HBM cache and with each policy, whose HBM holds at
+    most one of hbm_fraction / hbm_blocks / hbm_bytes (`hbm_capacity`; none: 25% of the KV);
+    returns a summary. Arguments are checked before the model loads (ValueError naming the
+    argument)."""
     return run_demo_parts(
         [(attention, profile)],
         model=model,
         prompt_len=prompt_len,
         new_tokens=new_tokens,
         hbm_fraction=hbm_fraction,
+        hbm_blocks=hbm_blocks,
+        hbm_bytes=hbm_bytes,
         policies=policies,
         window=window,
         block_size=block_size,
@@ -172,14 +181,17 @@ def run_demo_parts(
     model: str = DEFAULT_MODEL,
     prompt_len: int = DEFAULT_PROMPT_LEN,
     new_tokens: int = DEFAULT_NEW_TOKENS,
-    hbm_fraction: float = 0.25,
+    hbm_fraction: float | None = None,
+    hbm_blocks: int | None = None,
+    hbm_bytes: float | None = None,
     policies=DEFAULT_POLICIES,
     window: int = 16,
     block_size: int = 16,
     progress: bool = True,
 ) -> list[dict]:
     """`run_demo` for each (attention, profile) in `parts`, one model load and one progress
-    bar; every argument is checked before the model loads."""
+    bar; every argument is checked before the model loads, the HBM capacity against the
+    model's KV footprint before any decoding."""
     from tqdm.auto import tqdm
 
     for attention, profile in parts:
@@ -189,6 +201,8 @@ def run_demo_parts(
                 prompt_len=prompt_len,
                 new_tokens=new_tokens,
                 hbm_fraction=hbm_fraction,
+                hbm_blocks=hbm_blocks,
+                hbm_bytes=hbm_bytes,
                 policies=policies,
                 window=window,
                 block_size=block_size,
@@ -196,6 +210,9 @@ def run_demo_parts(
                 profile=profile,
             )
         )
+    capacity = hbm_capacity(
+        dict(hbm_fraction=hbm_fraction, hbm_blocks=hbm_blocks, hbm_bytes=hbm_bytes)
+    )
     spec = model
     model, tokenizer = load_model(spec)
     mc = model.config
@@ -204,10 +221,14 @@ def run_demo_parts(
             f"prompt_len + new_tokens = {prompt_len} + {new_tokens} exceeds the model's "
             f"context of {mc.max_seq_len} tokens"
         )
+    # the tiered runs' cache, sized now: a capacity the KV cannot take fails before any decoding
+    tiered = CacheConfig.for_model(
+        mc, batch=1, max_len=prompt_len + new_tokens, block_size=block_size, **capacity
+    )
     ids, chat = demo_prompt(spec, model, tokenizer, prompt_len)
     prompt = ids[None]
     text = dict(tokenizer=tokenizer, stop=stop_ids(spec), chat=chat, spec=spec)
-    runs = [("all-hbm", 1.0, "static")] + [(p, hbm_fraction, p) for p in policies]
+    runs = [("all-hbm", {"hbm_fraction": 1.0}, "static")] + [(p, capacity, p) for p in policies]
     # a failure closes the bar first, so its message gets a line of its own
     with tqdm(
         total=len(parts) * len(runs) * (new_tokens - 1),
@@ -223,7 +244,7 @@ def run_demo_parts(
                 prompt,
                 text,
                 runs,
-                hbm_fraction,
+                tiered,
                 attention,
                 profile,
                 new_tokens,
@@ -240,7 +261,7 @@ def _run_part(
     prompt,
     text,
     runs,
-    hbm_fraction,
+    tiered,
     attention,
     profile,
     new_tokens,
@@ -248,22 +269,19 @@ def _run_part(
     block_size,
     bar,
 ):
-    """One table: each run (name, HBM fraction, policy) decoded and summarized, every decoder
-    started from one forward pass over the prompt. Stop tokens do not end the runs (every
-    policy decodes the same steps); the answer is cut at the first one."""
+    """One table: each run (name, HBM capacity keyword, policy) decoded and summarized, every
+    decoder started from one forward pass over the prompt (`tiered`: the policies' cache).
+    Stop tokens do not end the runs (every policy decodes the same steps); the answer is cut
+    at the first one."""
     mc = model.config
     _, params = nnx.split(model)
     prompt_len = prompt.shape[1]
     chunk = min(16, (new_tokens - 1) // 2)  # the first chunk compiles; the rest is timed
     results, tokens = {}, {}
     prefilled = text.get("prefilled")  # one forward pass for every part and run
-    for name, frac, policy in runs:
+    for name, capacity, policy in runs:
         cfg = CacheConfig.for_model(
-            mc,
-            batch=1,
-            max_len=prompt_len + new_tokens,
-            block_size=block_size,
-            hbm_fraction=frac,
+            mc, batch=1, max_len=prompt_len + new_tokens, block_size=block_size, **capacity
         )
         placement = PlacementConfig(policy=policy, window=window, attention=attention)
         dec = Decoder(model, cfg, placement, max_new_tokens=new_tokens, profile=profile)
@@ -307,7 +325,11 @@ def _run_part(
         f"{mc.num_kv_heads} kv heads, vocab {mc.vocab_size}",
         "prompt_tokens": prompt_len,
         "new_tokens": new_tokens,
-        "hbm_fraction": hbm_fraction,
+        # the policies' HBM: the fraction of the KV footprint, and the capacity as given
+        "hbm_fraction": tiered.hbm_fraction or tiered.hbm_slots / tiered.total_blocks,
+        "hbm_capacity": {k: getattr(tiered, k) for k in HBM_KEYWORDS if getattr(tiered, k)},
+        "hbm_blocks": tiered.hbm_slots,
+        "total_blocks": tiered.total_blocks,
         "profile": profile,
         "device": str(jax.devices()[0].device_kind),
         "jax": jax.__version__,
@@ -326,6 +348,21 @@ def _run_part(
             for name, r in results.items()
         },
     }
+
+
+def hbm_said(report: dict) -> str:
+    """The policies' HBM as the report's capacity gave it: "25% of the KV footprint", or the
+    blocks or bytes given with the blocks per layer and the fraction they make."""
+    given = report.get("hbm_capacity", {})
+    pct = f"{100 * report['hbm_fraction']:.0f}% of the KV footprint"
+    if "hbm_blocks" in given:
+        return f"{given['hbm_blocks']:,} blocks per layer of {report['total_blocks']:,}: {pct}"
+    if "hbm_bytes" in given:
+        return (
+            f"{given['hbm_bytes']:,} bytes: {report['hbm_blocks']:,} blocks per layer of "
+            f"{report['total_blocks']:,}, {pct}"
+        )
+    return pct
 
 
 def format_table(report: dict) -> str:
@@ -359,8 +396,8 @@ def format_table(report: dict) -> str:
     lossless = report["lossless"] if report["attention"] == "exact" else report["placement_free"]
     head = (
         f"jaxkv demo: {report['model']}; prompt {report['prompt_tokens']} tokens, "
-        f"{report['new_tokens']} generated; HBM {100 * report['hbm_fraction']:.0f}% of the KV "
-        f"footprint (all-hbm: 100%); {report['attention']} attention; modeled on "
+        f"{report['new_tokens']} generated; HBM {hbm_said(report)} (all-hbm: 100%); "
+        f"{report['attention']} attention; modeled on "
         f"{report['profile']}; wall on {report['device']}, jax {report['jax']}"
     )
     note = (
@@ -448,6 +485,8 @@ def _cmd(args) -> int:
         prompt_len=args.prompt_len,
         new_tokens=args.new_tokens,
         hbm_fraction=args.hbm_fraction,
+        hbm_blocks=args.hbm_blocks,
+        hbm_bytes=args.hbm_bytes,
         policies=policies,
         window=args.window,
         progress=not args.json,
@@ -488,7 +527,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN)
     p.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS)
-    p.add_argument("--hbm-fraction", type=float, default=0.25)
+    add_hbm_options(p, "the policies'")  # the all-HBM run's is all of the KV
     p.add_argument(
         "--policies",
         default=",".join(DEFAULT_POLICIES),

@@ -24,6 +24,42 @@ from models.hf import (
 )
 
 LIVE_EXAMPLE = "anneal+reuse+follow"  # the decode loop's best live policy
+DEFAULT_HBM_FRACTION = 0.25  # a tiered cache's HBM when no capacity is given
+HBM_KEYWORDS = ("hbm_fraction", "hbm_blocks", "hbm_bytes")  # CacheConfig's, one of them
+
+
+def hbm_capacity(values: dict, label=lambda name: name) -> dict:
+    """The HBM capacity of a tiered cache: the one of hbm_fraction / hbm_blocks / hbm_bytes given
+    in `values` (none: hbm_fraction=0.25) as `{keyword: value}` for `CacheConfig`, checked: a
+    fraction in (0, 1] of the KV footprint, blocks per layer an integer >= 1, bytes (all layers
+    together) a number >= 1, passed on as whole bytes. ValueError names each argument by
+    `label(name)` (the CLI passes its option names) with its value."""
+    given = {k: values[k] for k in HBM_KEYWORDS if values.get(k) is not None}
+    if len(given) > 1:
+        said = ", ".join(f"{label(k)}={v!r}" for k, v in given.items())
+        names = ", ".join(label(k) for k in HBM_KEYWORDS)
+        raise ValueError(f"{said}: expected at most one of {names} (the HBM capacity, once)")
+    name, value = next(iter(given.items()), ("hbm_fraction", DEFAULT_HBM_FRACTION))
+    if name == "hbm_fraction":
+        check_number(label(name), value, low=0.0, high=1.0, low_open=True)
+    elif name == "hbm_blocks":
+        check_number(label(name), value, integer=True, low=1)
+    else:
+        check_number(label(name), value, low=1)
+        value = int(value)
+    return {name: value}
+
+
+def add_hbm_options(p: argparse.ArgumentParser, what: str = "the cache's") -> None:
+    """--hbm-fraction / --hbm-blocks / --hbm-bytes, one of them (`hbm_capacity`): `what` HBM."""
+    hbm = p.add_mutually_exclusive_group()
+    hbm.add_argument(
+        "--hbm-fraction",
+        type=float,
+        help=f"{what} HBM: this fraction of the KV footprint (default {DEFAULT_HBM_FRACTION})",
+    )
+    hbm.add_argument("--hbm-blocks", type=int, help=f"{what} HBM: blocks per layer (tails too)")
+    hbm.add_argument("--hbm-bytes", type=float, help=f"{what} HBM: bytes, all layers' KV together")
 
 
 def live_policies() -> list[str]:
@@ -183,7 +219,9 @@ def generate_text(
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    hbm_fraction: float = 0.25,
+    hbm_fraction: float | None = None,
+    hbm_blocks: int | None = None,
+    hbm_bytes: float | None = None,
     policy: str = "lru",
     fp8: str = "off",
     fp8_age: int = 0,
@@ -192,8 +230,9 @@ def generate_text(
 ) -> tuple[str, dict]:
     """Generates a continuation of `prompt` (with `chat`, the answer to `prompt` as a user
     turn under the model's chat template); returns (text, decode summary). The text stops
-    before the first of the model's stop tokens (`stop_ids`). Arguments are checked before the
-    model loads (ValueError naming the argument)."""
+    before the first of the model's stop tokens (`stop_ids`). The cache's HBM: at most one of
+    hbm_fraction / hbm_blocks / hbm_bytes (`hbm_capacity`; none: 25% of the KV). Arguments are
+    checked before the model loads (ValueError naming the argument)."""
     import jax
 
     if not prompt:
@@ -206,6 +245,8 @@ def generate_text(
             top_k=top_k,
             top_p=top_p,
             hbm_fraction=hbm_fraction,
+            hbm_blocks=hbm_blocks,
+            hbm_bytes=hbm_bytes,
             policy=policy,
             seed=seed,
         ),
@@ -220,6 +261,9 @@ def generate_text(
         block_size=16,
         fp8=fp8,
         fp8_age=fp8_age,
+    )
+    capacity = hbm_capacity(
+        dict(hbm_fraction=hbm_fraction, hbm_blocks=hbm_blocks, hbm_bytes=hbm_bytes)
     )
     model, tokenizer = load_model(model_spec)
     mc = model.config
@@ -240,9 +284,9 @@ def generate_text(
         batch=1,
         max_len=max_len,
         block_size=16,
-        hbm_fraction=hbm_fraction,
         fp8=fp8,
         fp8_age=fp8_age,
+        **capacity,
     )
     sampler = Greedy() if temperature == 0 else Sampling(temperature, top_k, top_p)
     stop = stop_ids(model_spec)
@@ -269,6 +313,8 @@ _REQUEST = (
     "top_k",
     "top_p",
     "hbm_fraction",
+    "hbm_blocks",
+    "hbm_bytes",
     "policy",
     "seed",
 )
@@ -293,7 +339,7 @@ def _check_request(values: dict, label) -> None:
                 f"with {'it' if one else 'them'}, or {'no' if one else 'neither'} "
                 f"{given[0] if one else 'of them'}"
             )
-    check_number(label("hbm_fraction"), values["hbm_fraction"], low=0.0, high=1.0, low_open=True)
+    hbm_capacity(values, label)
     check_live_policy(values["policy"], label("policy"))
     check_number(label("seed"), values["seed"], integer=True, low=0, high=2**32 - 1)
 
@@ -317,6 +363,8 @@ def _cmd(args) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         hbm_fraction=args.hbm_fraction,
+        hbm_blocks=args.hbm_blocks,
+        hbm_bytes=args.hbm_bytes,
         policy=args.policy,
         fp8=args.fp8,
         fp8_age=args.fp8_age,
@@ -349,7 +397,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--hbm-fraction", type=float, default=0.25)
+    add_hbm_options(p)
     p.add_argument("--policy", default="lru")
     p.add_argument(
         "--fp8",

@@ -1,7 +1,8 @@
 """Runs a sharded decode in a fresh interpreter (the mesh needs devices jax was started with):
 `python tests/sharded_worker.py CASE [--process-id I --processes N --port P]`; prints one
 JSON line. Used by tests/test_sharded.py; CASE is "mesh" (8 simulated CPU devices, one
-process) or "distributed" (one of N processes under jax.distributed on localhost)."""
+process), "distributed" (one of N processes under jax.distributed on localhost) or "nan" (a
+token whose embedding is NaN in one sequence's prompt: the error `generate` raises)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("case", choices=("mesh", "distributed"))
+    ap.add_argument("case", choices=("mesh", "distributed", "nan"))
     ap.add_argument("--devices", type=int, default=8, help="CPU devices of this process")
     ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--processes", type=int, default=1)
@@ -49,6 +50,8 @@ def main() -> int:
     from models import tiny_model
 
     model = tiny_model(0)
+    if args.case == "nan":
+        return _nan_case(args, model)
     _, params = nnx.split(model)
     nd, nm = (int(x) for x in args.mesh.split(","))
     B, new = 4, 16
@@ -129,6 +132,37 @@ def main() -> int:
     )
     if args.case == "distributed":
         jax.distributed.shutdown()
+    return 0
+
+
+def _nan_case(args, model) -> int:
+    """Sequence 3 of 4 holds token 255, whose embedding is NaN (no other prompt holds it):
+    prints the NonFiniteLogitsError's message and the tokens of the state it carries."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jaxkv import sharded
+    from jaxkv.config import CacheConfig, PlacementConfig
+    from jaxkv.decode import NonFiniteLogitsError
+
+    model.embed.value = model.embed.value.at[255].set(jnp.nan)
+    _, params = nnx.split(model)
+    nd, nm = (int(x) for x in args.mesh.split(","))
+    cfg = CacheConfig.for_model(model.config, batch=4, max_len=64, block_size=8, hbm_fraction=0.5)
+    pl = PlacementConfig(policy=args.policy, window=2)
+    dec = sharded.ShardedDecoder(model, cfg, pl, mesh=sharded.make_mesh(nd, nm), max_new_tokens=4)
+    prompts = np.array(jax.random.randint(jax.random.key(7), (4, 20), 0, 255), np.int32)
+    prompts[3, 5] = 255
+    sp = dec.shard_params(params)
+    message, tokens = None, None
+    try:
+        state = dec.generate(sp, dec.prefill(sp, prompts, np.array([20, 13, 17, 9], np.int32)))
+        tokens = dec.tokens(state)
+    except NonFiniteLogitsError as e:
+        message, tokens = str(e), dec.tokens(e.state)
+    print(json.dumps(dict(message=message, tokens=tokens.tolist())), flush=True)
     return 0
 
 

@@ -199,6 +199,9 @@ def test_simulate_refuses_a_file_trace_that_cannot_fit(capsys, monkeypatch, tmp_
         (["--temperature", "1", "--top-p", "0"], "--top-p=0.0: expected a finite number in (0, 1]"),
         (["--top-k", "5"], "--top-k truncates sampling, but --temperature=0 decodes greedily"),
         (["--hbm-fraction", "1.5"], "--hbm-fraction=1.5: expected a finite number in (0, 1]"),
+        (["--hbm-blocks", "0"], "--hbm-blocks=0: expected an integer >= 1"),
+        (["--hbm-bytes", "0.5"], "--hbm-bytes=0.5: expected a finite number >= 1"),
+        (["--hbm-bytes", "nan"], "--hbm-bytes=nan: expected a finite number >= 1"),
         (["--seed", "-1"], "--seed=-1: expected an integer in [0, 4294967295]"),
         (
             ["--model", "/nonexistent/ckpt"],
@@ -347,6 +350,9 @@ def test_trace_out_not_writable(capsys, no_work, prompt_file, tmp_path, monkeypa
     "args, expected",
     [
         (["--hbm-fraction", "1.5"], "--hbm-fraction=1.5: expected a finite number in (0, 1]"),
+        (["--hbm-blocks", "0"], "--hbm-blocks=0: expected an integer >= 1"),
+        (["--hbm-bytes", "0.5"], "--hbm-bytes=0.5: expected a finite number >= 1"),
+        (["--hbm-bytes", "nan"], "--hbm-bytes=nan: expected a finite number >= 1"),
         (["--new-tokens", "2"], "--new-tokens=2: expected an integer >= 3 (one sampled at"),
         (["--prompt-len", "0"], "--prompt-len=0: expected an integer >= 1"),
         (["--window", "0"], "--window=0: expected an integer >= 1"),
@@ -360,6 +366,16 @@ def test_demo_option_checked_first(capsys, no_work, args, expected):
     """--hbm-fraction 1.5 failed after the all-HBM run, printed inside the progress bar."""
     line = error(capsys, ["demo", *args])
     assert expected in line and "decoding" not in line
+
+
+@pytest.mark.parametrize("command", [["demo"], ["generate", "--prompt", "x"]])
+def test_one_hbm_capacity(capsys, no_work, command):
+    """--hbm-fraction, --hbm-blocks and --hbm-bytes say the same thing: one of them."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*command, "--hbm-blocks", "4", "--hbm-fraction", "0.5"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --hbm-fraction: not allowed with argument --hbm-blocks" in err
 
 
 def test_demo_plot_path_checked_first(capsys, no_work, tmp_path, monkeypatch):

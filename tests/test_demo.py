@@ -154,6 +154,8 @@ def test_run_demo_checks_arguments_before_loading(monkeypatch):
     monkeypatch.setattr(demo, "load_model", lambda spec: pytest.fail("loaded the model"))
     with pytest.raises(ValueError, match=r"hbm_fraction=1.5: expected a finite number in \(0, 1\]"):
         demo.run_demo(hbm_fraction=1.5)
+    with pytest.raises(ValueError, match=r"^hbm_fraction=0.5, hbm_blocks=3: expected at most one"):
+        demo.run_demo(hbm_fraction=0.5, hbm_blocks=3)
     with pytest.raises(ValueError, match=r"policies='unlimited': the Unlimited-HBM bound"):
         demo.run_demo(policies=("unlimited",))
     with pytest.raises(ValueError, match=r"policies=\(\): expected one or more policy names"):
@@ -199,3 +201,78 @@ def test_decoded_text_stops_at_the_pad():
 
     assert decode_text(None, [104, 105, PAD_ID, PAD_ID]) == "hi"
     assert decode_text(None, [104, 105, 33, PAD_ID], stop=(33,)) == "hi"
+
+
+def _tiny_demo(capsys, monkeypatch, tiny, *options):
+    """`jaxkv demo --json` on the tiny random model (64-token prompt, 3 new tokens, static):
+    (exit status, report, stderr)."""
+    monkeypatch.setattr(demo, "load_model", lambda spec: (tiny[0], None))
+    argv = ["demo", "--model", "default", "--prompt-len", "64", "--new-tokens", "3"]
+    rc = cli.main([*argv, "--policies", "static", "--attention", "exact", "--json", *options])
+    out = capsys.readouterr()
+    return rc, (json.loads(out.out) if rc != 2 else None), out.err
+
+
+@pytest.mark.parametrize("unit", ["blocks", "bytes"])
+def test_demo_hbm_in_blocks_or_bytes(capsys, monkeypatch, tiny, unit):
+    """--hbm-blocks / --hbm-bytes size the policies' HBM (the all-HBM run stays whole); the
+    header says what was given, the blocks per layer it makes and their share of the KV."""
+    from jaxkv.config import CacheConfig
+
+    cfg = CacheConfig.for_model(tiny[0].config, batch=1, max_len=67, hbm_fraction=1.0)
+    per = cfg.num_layers * cfg.block_bytes  # one block across layers
+    value = 2 if unit == "blocks" else 2 * per + per // 2  # 2.5 blocks' bytes: 2 blocks
+    rc, report, _ = _tiny_demo(capsys, monkeypatch, tiny, f"--hbm-{unit}", str(value), "--no-plot")
+    assert rc == 0 and report["lossless"] is True
+    assert report["hbm_capacity"] == {f"hbm_{unit}": value}
+    assert report["hbm_blocks"] == 2 and report["total_blocks"] == cfg.total_blocks == 5
+    assert report["hbm_fraction"] == 0.4
+    assert report["policies"]["static"]["hbm_hit_rate"] < 1.0
+    head = demo.format_table(report).splitlines()[0]
+    said = (
+        "2 blocks per layer of 5"
+        if unit == "blocks"
+        else f"{value:,} bytes: 2 blocks per layer of 5"
+    )
+    assert f"HBM {said}" in head and "40% of the KV footprint (all-hbm: 100%)" in head, head
+
+
+@pytest.mark.parametrize(
+    "option, value, expected",
+    [
+        ("--hbm-blocks", "6", "hbm_blocks=6: more than the KV footprint of 5 blocks per layer"),
+        ("--hbm-bytes", "1", "hbm_bytes=1 gives 0 HBM blocks per layer, but each of the batch=1"),
+    ],
+)
+def test_demo_hbm_the_kv_cannot_take_fails_before_decoding(
+    capsys, monkeypatch, tiny, option, value, expected
+):
+    """A capacity past the model's KV footprint, or under one block a layer, is known once the
+    model is loaded: the error comes then, not after the all-HBM run."""
+    monkeypatch.setattr(demo, "Decoder", lambda *a, **k: pytest.fail("decoded before checking"))
+    rc, _, err = _tiny_demo(capsys, monkeypatch, tiny, option, value, "--no-plot")
+    assert rc == 2 and f"jaxkv demo: error: {expected}" in err, err
+
+
+def test_generate_hbm_in_blocks(capsys, monkeypatch, tiny):
+    """`jaxkv generate --hbm-blocks 1`: the cache gets one HBM block a layer (the tail), so the
+    prompt's sealed blocks are read from the host."""
+    import models.generate as gen
+
+    seen = []
+
+    def decoder(model, cfg, *args, **kwargs):
+        seen.append(cfg)
+        return gen_decoder(model, cfg, *args, **kwargs)
+
+    gen_decoder = gen.Decoder
+    monkeypatch.setattr(gen, "load_model", lambda spec: (tiny[0], None))
+    monkeypatch.setattr(gen, "Decoder", decoder)
+    prompt = "def parse(args):  # forty bytes, 3 blocks"
+    assert (
+        cli.main(["generate", "--prompt", prompt, "--max-new-tokens", "3", "--hbm-blocks", "1"])
+        == 0
+    )
+    [cfg] = seen
+    assert cfg.hbm_blocks == 1 == cfg.hbm_slots and cfg.hbm_fraction is None
+    assert "HBM hit rate 100.0%" not in capsys.readouterr().err

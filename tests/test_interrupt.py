@@ -15,8 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # `jaxkv demo` with its long stage replaced: it opens the figure's output, writes part of it,
-# says "ready", then waits in Python (sleep) or in a device computation (a jitted loop that
-# runs for minutes: native code, where no signal is seen)
+# (with "bar": draws a progress bar it holds, left mid-line as tqdm leaves one), says "ready",
+# then waits in Python (sleep) or in a device computation (a jitted loop that runs for
+# minutes: native code, where no signal is seen)
 SCRIPT = """
 import sys, time
 import jax, jax.numpy as jnp
@@ -32,6 +33,11 @@ def busy():
 
 def long_stage(parts, **kw):
     loop = busy() if sys.argv[2] == "device" else None
+    if sys.argv[3:] == ["bar"]:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=10, desc="decoding", file=sys.stderr, mininterval=0)
+        bar.update(3)
     with cli.atomic_output(sys.argv[1], ".png") as tmp:
         open(tmp, "wb").write(b"half a figure")
         print("ready", flush=True)
@@ -44,16 +50,38 @@ def long_stage(parts, **kw):
 demo.run_demo_parts = long_stage
 sys.exit(cli.main(["demo", "--model", "default", "--plot", sys.argv[1], "--json"]))
 """
+LINE = "jaxkv demo: interrupted (Ctrl-C); no output file was left half-written"
 
 
 @pytest.mark.parametrize(
     "where", [pytest.param("python", marks=pytest.mark.slow), "device"]
 )  # a few seconds each (a fresh process importing jax and the models)
 def test_ctrl_c_exits_130_with_one_line_and_no_file(tmp_path, where):
+    err, took = _interrupt_demo(tmp_path, where)
+    lines = err.strip().splitlines()
+    assert lines == [LINE], err
+    assert took < 5.0, took
+    assert list(tmp_path.iterdir()) == []  # neither the figure nor its temporary file
+
+
+@pytest.mark.parametrize("where", ["python", "device"])
+def test_ctrl_c_line_starts_its_own_line_after_a_progress_bar(tmp_path, where):
+    """A bar still open when Ctrl-C comes (tqdm ends its line only when closed): the line
+    used to follow the bar on its line, and in Python the bar, collected later, was redrawn
+    after it. Now the bar is closed first (Python) or its line ended (the watchdog)."""
+    err, _ = _interrupt_demo(tmp_path, where, "bar")
+    assert "decoding" in err and err.count(LINE) == 1 and "Traceback" not in err, err
+    assert err.endswith("\n" + LINE + "\n"), repr(err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _interrupt_demo(tmp_path, where, *extra):
+    """SCRIPT run with `where` (and `extra` arguments), interrupted once it is ready: asserts
+    exit status 130; returns (stderr, seconds from the signal to the exit)."""
     out = tmp_path / "fig.png"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     p = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT), str(out), where],
+        [sys.executable, "-c", textwrap.dedent(SCRIPT), str(out), where, *extra],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -70,7 +98,33 @@ def test_ctrl_c_exits_130_with_one_line_and_no_file(tmp_path, where):
     finally:
         p.kill()
     assert p.returncode == 130, err
-    lines = err.strip().splitlines()
-    assert lines == ["jaxkv demo: interrupted (Ctrl-C); no output file was left half-written"], err
-    assert took < 5.0, took
-    assert list(tmp_path.iterdir()) == []  # neither the figure nor its temporary file
+    return err, took
+
+
+def test_ctrl_c_ends_jaxkv_simulate_the_same_way():
+    """`jaxkv simulate` goes through the same entry point: interrupted once its progress bar
+    is drawn, it exits 130 with the line on its own line, no traceback."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    argv = ["simulate", "--trace", "synthetic:patterns", "--policies", "static,lru"]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "jaxkv.cli", *argv],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        seen = b""
+        while b"chunk" not in seen:  # the bar is drawn: the replay has started
+            got = os.read(p.stderr.fileno(), 4096)
+            assert got, (seen + p.stderr.read()).decode()
+            seen += got
+        p.send_signal(signal.SIGINT)
+        _, rest = p.communicate(timeout=20)
+    finally:
+        p.kill()
+    err = (seen + rest).decode()
+    line = "jaxkv simulate: interrupted (Ctrl-C); no output file was left half-written"
+    assert p.returncode == 130, err
+    assert err.endswith("\n" + line + "\n") and err.count(line) == 1, repr(err)
+    assert "Traceback" not in err

@@ -249,3 +249,18 @@ def test_param_specs_split_the_tensor_parallel_weights(tiny):
     assert specs["['layers']['mlp']['down']['w'].value"] == P(None, "model")
     assert specs["['layers']['mlp']['up']['w'].value"] == P(None, None, "model")
     assert specs["['embed'].value"] == P() and specs["['lm_head'].value"] == P()
+
+
+def test_non_finite_logits_raise_naming_the_global_sequence():
+    """On a 2 x 2 mesh, the last sequence (data shard 1, its row 1) holds a token whose
+    embedding is NaN: generate raises NonFiniteLogitsError naming sequence 3 (not its row
+    within a shard, nor once per model shard) at the prefill, and that sequence stopped."""
+    from jaxkv.decode import PAD_ID
+
+    r = _worker("nan", "--devices", "4", "--mesh", "2,2")
+    assert r["message"] is not None, "no NonFiniteLogitsError raised"
+    assert r["message"].startswith(
+        "the logits of sequence [3] held NaN or inf at the prefill (step 0)"
+    ), r["message"]
+    tokens = np.asarray(r["tokens"])
+    assert (tokens[3, 1:] == PAD_ID).all() and (tokens[:3, 1] != PAD_ID).all(), tokens
