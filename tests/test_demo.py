@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -55,6 +56,12 @@ def test_demo_json_is_lossless_and_shows_placement(capsys, tmp_path):
     assert report["policies"]["lru"]["plan_ms"] > 0.0
     assert report["policies"]["all-hbm"]["hbm_hit_rate"] == 1.0
     assert report["policies"]["static"]["hbm_hit_rate"] < 0.5
+    # the bound (jaxkv.sim.loop): no placement of the policies' HBM size reads faster
+    for r in (report, sparse):
+        b = r["bound_tokens_per_s"]
+        assert b["unlimited"] >= b["best"] >= b["capacity"] * (1 - 1e-6) and b["best"] > 0
+        for name in ("static", "lru"):
+            assert r["policies"][name]["modeled_tokens_per_s"] <= b["best"] * (1 + 1e-6)
 
 
 def test_demo_table_is_readable(capsys):
@@ -98,6 +105,13 @@ def test_demo_table_is_readable(capsys):
     assert "policy" in text and "lru" in text and "(0.50x)" in text and "lossless" in text
     assert "1.50 (0.375)" in text and "plan charged" in text
     assert "the model's answer (all-HBM cache, exact attention): 'It parses command lines.'" in text
+    assert "bound" not in text  # none measured
+    report["policies"]["static"] = dict(report["policies"]["lru"], modeled_tokens_per_s_with_plan=4)
+    report["policies"]["mine"] = dict(report["policies"]["lru"], modeled_tokens_per_s_with_plan=6)
+    report["bound_tokens_per_s"] = dict(unlimited=9.0, capacity=7.0, cache=6.5, best=7.5)
+    text = format_table(report)
+    assert re.search(r"\nbound \(any placement\)\s+8\s", text)  # 7.5 tok/s, rounded
+    assert "closed, plan charged: mine 50%" in text  # (6 - 4.5) / (7.5 - 4.5)
 
 
 def test_demo_unknown_policy_is_a_clear_error(capsys):

@@ -121,3 +121,33 @@ def test_bounds_refuse_fp8(tiny, static_wt):
     dec = Decoder(model, cfg, PlacementConfig(policy="lru"), max_new_tokens=24)
     with pytest.raises(ValueError, match="fp8='host': expected fp8='off'"):
         loop.bounds(loop.LoopSetup.of(dec), static_wt[1])
+
+
+def test_a_trace_replays_in_the_loops_accounting():
+    """`jaxkv.sim.loop_trace`: a trace's reads (top 20% by mass and the tail) from write-order
+    placement; Static's hits are exactly the reads of the first pool blocks, every policy is
+    above the bounds."""
+    from jaxkv.cost import GEOMETRIES
+    from jaxkv.sim import loop_trace
+    from jaxkv.sim.trace import SyntheticTrace
+
+    tr = SyntheticTrace("patterns", prompt_len=640, steps=24, num_layers=2, block_size=16)
+    kw = dict(hbm_blocks=8, steps=24, window=4, profile="h200-pcie", geometry=GEOMETRIES["paper"])
+    setups = {p: loop_trace.trace_setup(tr, p, **kw) for p in ("static", "lru", "anneal")}
+    rec = loop_trace.trace_record(tr, setups["static"], 0.8)
+    assert rec.reads.shape == (24, 2, 1, 42)
+    want = np.ceil(0.2 * ((640 + np.arange(24)) // 16)) + 1  # top 20% of the sealed, the tail
+    np.testing.assert_array_equal(rec.reads[:, :, 0].sum(-1), np.stack([want, want], 1))
+    got = {p: loop.replay(s, rec) for p, s in setups.items()}
+    static = got["static"].metrics
+    first = np.arange(42) < 8
+    np.testing.assert_array_equal(static.hbm_reads, (rec.reads[:, :, 0] & first).sum((1, 2)) + 2)
+    assert int(np.sum(static.moved)) == 0
+    b = loop.bounds(setups["static"], rec)
+    for p, r in got.items():
+        assert b["best"] <= r.summary()["modeled_seconds"] * (1 + 1e-6), p
+    assert got["lru"].summary()["migrated_blocks"] > 0 and got["anneal"].plans == 6
+    with pytest.raises(ValueError, match="stores no geometry: pass geometry="):
+        loop_trace.trace_setup(tr, "lru", hbm_blocks=8, steps=24)
+    with pytest.raises(ValueError, match="steps=25: expected at most the trace's 24"):
+        loop_trace.trace_setup(tr, "lru", **(kw | {"steps": 25}))

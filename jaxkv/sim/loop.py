@@ -405,3 +405,14 @@ def bounds(setup: LoopSetup, rec: LoopRecord) -> dict:
         "best": float(cache_bound_seconds(f, cap, bb, link).sum()),
         "crossings": f.tolist(),
     }
+
+
+def decode_bound(decoder, params, state, steps: int) -> dict:
+    """{unlimited, capacity, cache, best: tokens/s}: the fastest any placement of `decoder`'s
+    HBM size can read what `steps` decode steps from `state` read (`bounds`; `record` runs the
+    steps). Under sparse attention the reads are those of any placement; under exact attention
+    every block is read."""
+    rec, _ = record(decoder, params, state, steps)
+    b = bounds(LoopSetup.of(decoder), rec)
+    n = steps * decoder.cache_config.batch
+    return {k: n / b[k] for k in ("unlimited", "capacity", "cache", "best")}

@@ -1,0 +1,186 @@
+"""Recorded traces replayed in the decode loop's accounting (`jaxkv.sim.loop_trace`): per trace
+and case, each policy's modeled decode time, as a Decoder with a tiered cache would charge it
+(write-through host tier, a plan at the end of every W-th step, the follow rule inside the
+steps), beside the lower bounds of `jaxkv.sim.loop.bounds` and the share of the gap between the
+best of static and lru and the best bound that each policy closes.
+
+Planning is not charged here (no decode runs, so there is no wall step to charge it against:
+the demo and bench_decode charge it); "plan ms" is one plan's CPU time on this machine.
+
+    python bench/loop_traces.py bench/traces/smollm2_gpl3.npz bench/traces/smollm2_doctest.npz \
+        --json bench/results/loop_traces.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from _progress import tqdm  # tqdm, or a stand-in where it is missing
+
+from jaxkv.cost import GEOMETRIES
+from jaxkv.sim import loop, loop_trace
+from jaxkv.sim import trace as tr
+
+POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow")
+# (label, modeled batch, HBM pool as a fraction of the blocks, geometry: None = the trace's)
+CASES = {
+    "b1": ("batch 1", 1, 0.1, None),
+    "b16": ("batch 16", 16, 0.1, None),
+    "b16-pool30": ("batch 16, pool 30%", 16, 0.3, None),
+    "paper": ("paper geometry", 1, 0.1, "paper"),
+}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("traces", nargs="+", help=".npz traces recorded with `jaxkv trace`")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {list(CASES)}")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--steps", type=int, default=512)
+    ap.add_argument("--sparsity", type=float, default=0.8)
+    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--profile", default="gh200-paper")
+    ap.add_argument("--host-tier", default="write-through", choices=("write-through", "exclusive"))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    args.case_list = [c for c in args.cases.split(",") if c]
+    bad = [c for c in args.case_list if c not in CASES]
+    if bad:
+        ap.error(f"--cases {bad}: expected some of {list(CASES)}")
+    args.policy_list = [p for p in args.policies.split(",") if p]
+    for p in args.traces:
+        if not os.path.isfile(p):
+            ap.error(f"trace {p!r} is not a file")
+    if args.json:
+        from jaxkv.cli import check_writable
+
+        check_writable(args.json, "--json")
+    return args
+
+
+def run_case(trace, case: str, args) -> dict:
+    label, batch, frac, geo = CASES[case]
+    geometry = None if geo is None else GEOMETRIES[geo]
+    steps = min(args.steps, trace.steps)
+    pool = max(1, int(round(frac * trace.num_blocks)))
+    kw = dict(
+        hbm_blocks=pool,
+        steps=steps,
+        batch=batch,
+        window=args.window,
+        profile=args.profile,
+        host_tier=args.host_tier,
+        geometry=geometry,
+    )
+    setups = {p: loop_trace.trace_setup(trace, p, **kw) for p in args.policy_list}
+    rec = loop_trace.trace_record(trace, next(iter(setups.values())), args.sparsity)
+    b = loop.bounds(next(iter(setups.values())), rec)
+    rows = {}
+    for p, s in setups.items():
+        t0 = time.perf_counter()
+        r = loop.replay(s, rec)
+        sm = r.summary()
+        rows[p] = dict(
+            modeled_ms=1e3 * sm["modeled_seconds"],
+            hbm_hit_rate=sm["hbm_hit_rate"],
+            migrated_blocks=sm["migrated_blocks"],
+            plans=r.plans,
+            replay_s=time.perf_counter() - t0,
+            plan_ms=1e3 * plan_seconds(s, rec) if r.plans else 0.0,
+        )
+    base = min(rows[p]["modeled_ms"] for p in ("static", "lru") if p in rows)
+    best = 1e3 * b["best"]
+    for r in rows.values():
+        r["vs_lru"] = rows["lru"]["modeled_ms"] / r["modeled_ms"] if "lru" in rows else None
+        r["gap_closed"] = (base - r["modeled_ms"]) / (base - best) if base > best else None
+    return dict(
+        trace=trace.name,
+        case=case,
+        label=label,
+        batch=batch,
+        pool_blocks=pool,
+        blocks=trace.num_blocks,
+        steps=steps,
+        bounds_ms={k: 1e3 * b[k] for k in ("unlimited", "capacity", "cache", "best")},
+        policies=rows,
+    )
+
+
+def plan_seconds(setup, rec, repeats: int = 2) -> float:
+    """One compiled plan's seconds at the record's start (best of `repeats`)."""
+    from jaxkv.decode_observation import observe
+
+    c, st = setup.cache_config, rec.start
+    sealed = np.arange(c.max_blocks)[None] < (np.asarray(st.lengths) // c.block_size)[:, None]
+    sealed = np.broadcast_to(sealed, np.shape(st.in_hbm))
+    obs = observe(st.in_hbm, sealed, st.lengths, st.stats, st.step, c, None)
+    fn = jax.jit(lambda p, o: setup.policy.plan(p, o, setup.env))
+    pstate = setup.policy.init(c.num_layers, c.batch * c.max_blocks)
+    jax.block_until_ready(fn(pstate, obs))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(pstate, obs))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    dev = jax.devices()[0]
+    print(
+        f"loop_traces: {dev.platform} {dev.device_kind}, jax {jax.__version__}; s = "
+        f"{args.sparsity}, {args.steps} steps, W {args.window}, {args.profile}, host tier "
+        f"{args.host_tier}; modeled ms of the steps in the decode loop's accounting, planning "
+        "not charged"
+    )
+    out = dict(
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        device=f"{dev.platform} {dev.device_kind}",
+        jax=jax.__version__,
+        args={k: v for k, v in vars(args).items()},
+        cases=[],
+    )
+    jobs = [(path, case) for path in args.traces for case in args.case_list]
+    traces = {}
+    for path, case in tqdm(jobs, desc="loop_traces", file=sys.stderr):
+        trace = traces.setdefault(path, tr.load(path))
+        r = run_case(trace, case, args)
+        out["cases"].append(r)
+        tqdm.write(format_case(r), file=sys.stdout)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2, default=str)
+    return 0
+
+
+def format_case(r: dict) -> str:
+    head = (
+        f"\n{r['trace']}, {r['label']}: pool {r['pool_blocks']} of {r['blocks']} blocks per "
+        f"layer, {r['steps']} steps; bounds (ms): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in r["bounds_ms"].items())
+    )
+    lines = [
+        head,
+        f"{'policy':<22} {'ms':>9} {'vs lru':>7} {'gap closed':>10} {'hit':>6} "
+        f"{'moved':>7} {'plan ms (CPU)':>13}",
+    ]
+    for p, x in r["policies"].items():
+        vs = f"{x['vs_lru']:.2f}x" if x["vs_lru"] else "-"
+        gap = f"{100 * x['gap_closed']:.0f}%" if x["gap_closed"] is not None else "-"
+        lines.append(
+            f"{p:<22} {x['modeled_ms']:9.2f} {vs:>7} {gap:>10} {100 * x['hbm_hit_rate']:5.1f}% "
+            f"{x['migrated_blocks']:7d} {x['plan_ms']:13.1f}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
