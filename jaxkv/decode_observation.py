@@ -54,16 +54,5 @@ def observe(in_hbm, sealed, lengths, stats: imp.Stats, step, c: CacheConfig, mod
     the one constructor of the decode loop and of its replay in the simulator
     (`jaxkv.sim.loop`)."""
     L, N = c.num_layers, c.batch * c.max_blocks
-    return Observation(
-        in_hbm=in_hbm.reshape(L, N),
-        valid=placeable_blocks(sealed, lengths, c, model_config),
-        last_read=stats.last_read,
-        read_ema=stats.read_ema,
-        mass_ema=stats.mass_ema,
-        step=step,
-        window_reads=stats.window_reads,
-        since_seen=stats.since_seen,
-        since_read=stats.since_read,
-        streak=stats.streak,
-        capacity=c.hbm_pool_slots,
-    )
+    valid = placeable_blocks(sealed, lengths, c, model_config)
+    return Observation.of(in_hbm.reshape(L, N), valid, stats, step, c.hbm_pool_slots)

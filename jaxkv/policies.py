@@ -62,6 +62,27 @@ class Observation:
     value_to_go: jax.Array | None = None
     capacity: int = static_field(default=0)  # HBM pool slots per layer
 
+    @classmethod
+    def of(cls, in_hbm, valid, stats, step, capacity: int, **future) -> Observation:
+        """The one constructor of the decode loop (`jaxkv.decode_observation.observe`), its
+        replay (`jaxkv.sim.loop`) and the trace simulator (`jaxkv.sim.replay`,
+        `jaxkv.sim.timing`): the placement masks, the read statistics (`importance.Stats`)
+        and what is known of the future (`future`: forecast, forecast_mass, value_to_go)."""
+        return cls(
+            in_hbm=in_hbm,
+            valid=valid,
+            last_read=stats.last_read,
+            read_ema=stats.read_ema,
+            mass_ema=stats.mass_ema,
+            step=step,
+            window_reads=stats.window_reads,
+            since_seen=stats.since_seen,
+            since_read=stats.since_read,
+            streak=stats.streak,
+            capacity=capacity,
+            **future,
+        )
+
 
 class Policy(Protocol):
     """What the decode loop and the simulator use of a policy.

@@ -151,3 +151,18 @@ def test_a_trace_replays_in_the_loops_accounting():
         loop_trace.trace_setup(tr, "lru", hbm_blocks=8, steps=24)
     with pytest.raises(ValueError, match="steps=25: expected at most the trace's 24"):
         loop_trace.trace_setup(tr, "lru", **(kw | {"steps": 25}))
+
+
+def test_replay_under_another_window_and_an_oracle(tiny, static_wt):
+    """Another W restarts the window (a plan every W steps from the record's start); an oracle,
+    which the decode loop refuses, plans on the recorded reads after each plan and stays above
+    the bound."""
+    from jaxkv import presets
+
+    dec, rec, _ = static_wt
+    lru2 = _decoder(tiny[0], "lru", WT, window=2)
+    assert loop.replay(loop.LoopSetup.of(lru2), rec).plans == STEPS // 2
+    oracle = presets.resolve("anneal-oracle", dec.env, presets.Settings(window=2))
+    got = loop.replay(loop.LoopSetup.of(lru2, policy=oracle), rec)
+    assert got.plans == STEPS // 2
+    assert loop.bounds(loop.LoopSetup.of(dec), rec)["best"] <= got.summary()["modeled_seconds"]

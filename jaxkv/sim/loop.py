@@ -23,7 +23,9 @@ two cannot drift apart:
 `record` runs a Decoder's steps one at a time and keeps each step's reads (`LoopRecord`): a
 sparse selection depends on the logical blocks only, so the reads of one placement are the
 reads of any. `replay` runs them through the model above for the Decoder's policy (or another,
-`LoopSetup.of(decoder, policy=...)`) and returns per-step figures (`LoopReplay`) that equal the
+`LoopSetup.of(decoder, policy=...)`; an oracle, which the decode loop refuses, sees the
+recorded reads of the steps after each plan: a diagnostic of how much a perfect forecast would
+gain) and returns per-step figures (`LoopReplay`) that equal the
 decode loop's own metrics: the same hit counts and migrations, the same modeled latency up to
 float rounding (tests/test_sim_loop.py, for static, lru and the live policy under both host
 tiers). Out of scope: sequences that finish during the recorded steps (EOS, a full cache), a
@@ -227,10 +229,13 @@ def replay(setup: LoopSetup, rec: LoopRecord) -> LoopReplay:
             f"{tuple(rec.start.in_hbm.shape)}: expected [steps, {', '.join(map(str, shape))}] "
             "and the same without steps (the setup's cache geometry)"
         )
-    if setup.policy != rec.policy:  # another policy starts from its initial state
-        fresh = setup.policy.init(c.num_layers, c.batch * c.max_blocks)
-        placement = replace(rec.start.placement, policy=fresh)
-        rec = replace(rec, start=replace(rec.start, placement=placement))
+    pl = rec.start.placement
+    other = setup.policy != rec.policy
+    if other or int(pl.window) != setup.placement.window:
+        # another policy starts from its initial state, another W with a new window
+        ps = setup.policy.init(c.num_layers, c.batch * c.max_blocks) if other else pl.policy
+        pl = new_window(jnp.int32(setup.placement.window), pl.prev_hit, ps)
+        rec = replace(rec, start=replace(rec.start, placement=pl))
     run = jax.jit(lambda r: _scan(setup, r))
     metrics, in_hbm, plans = run(rec)
     return LoopReplay(jax.device_get(metrics), np.asarray(in_hbm), int(plans))
@@ -239,20 +244,29 @@ def replay(setup: LoopSetup, rec: LoopRecord) -> LoopReplay:
 def _scan(setup: LoopSetup, rec: LoopRecord):
     st = rec.start
     carry = (st.in_hbm, st.lengths, st.stats, st.placement, st.step, jnp.int32(0))
+    future = None
+    if setup.policy.needs_forecast:  # an oracle: the recorded reads after each plan
+        T, L, B, M = rec.reads.shape
+        h = setup.policy.horizon
+        pad = lambda x: jnp.concatenate(  # noqa: E731
+            [x.reshape(T, L, B * M).astype(jnp.float32), jnp.zeros((h, L, B * M))]
+        )
+        future = (pad(rec.reads), pad(rec.mass))
+    steps = jnp.arange(rec.reads.shape[0], dtype=jnp.int32)
     (in_hbm, _, _, _, _, plans), m = jax.lax.scan(
-        lambda cr, x: _step(setup, cr, x), carry, (rec.reads, rec.mass)
+        lambda cr, x: _step(setup, cr, x, future), carry, (rec.reads, rec.mass, steps)
     )
     return m, in_hbm, plans
 
 
-def _step(setup: LoopSetup, carry, xs):
+def _step(setup: LoopSetup, carry, xs, future=None):
     """One decode step on masks, in the decode loop's order: reads, the follow rule, the
     sealing of full tails, the statistics, the plan if the window ends, the step's cost."""
     c, policy = setup.cache_config, setup.policy
     L, B, M, bs = c.num_layers, c.batch, c.max_blocks, c.block_size
     N = B * M
     in_hbm, lengths, stats, pl, step, plans = carry
-    read, mass = xs
+    read, mass, i = xs
     j = jnp.arange(M)
     sealed = jnp.broadcast_to(j[None] < (lengths // bs)[:, None], (L, B, M))
     # the tail (unsealed) and, under fp8="age", the ring are read from HBM
@@ -310,6 +324,10 @@ def _step(setup: LoopSetup, carry, xs):
         in_hbm, stats, pl = args
         sealed_now = jnp.broadcast_to(j[None] < (new_len // bs)[:, None], (L, B, M))
         obs = observe(in_hbm, sealed_now, new_len, stats, step + 1, c, setup.model_config)
+        if future is not None:  # the reads of the steps after this one (zeros past the record)
+            shape = (policy.horizon, L, N)
+            fc, fm = (jax.lax.dynamic_slice(x, (i + 1, 0, 0), shape) for x in future)
+            obs = replace(obs, forecast=fc, forecast_mass=fm)
         pstate, target = policy.plan(pl.policy, obs, setup.env)
         moved = jnp.zeros((L,), jnp.int32)
         if policy.follow is None:

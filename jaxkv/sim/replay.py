@@ -217,21 +217,8 @@ def _observation(k: _Chunk, c, t, valid, in_hbm, stats) -> Observation:
     vg = None
     if policy.needs_values:
         vg = jax.lax.dynamic_slice(k.values, (c, 0, 0), shape)
-    return Observation(
-        in_hbm=in_hbm,
-        valid=valid,
-        last_read=stats.last_read,
-        read_ema=stats.read_ema,
-        mass_ema=stats.mass_ema,
-        step=t,
-        forecast=fc,
-        forecast_mass=fm,
-        window_reads=stats.window_reads,
-        since_seen=stats.since_seen,
-        since_read=stats.since_read,
-        streak=stats.streak,
-        value_to_go=vg,
-        capacity=s.capacity,
+    return Observation.of(
+        in_hbm, valid, stats, t, s.capacity, forecast=fc, forecast_mass=fm, value_to_go=vg
     )
 
 

@@ -62,21 +62,15 @@ def observation(policy, state: SimState, setup: Setup, reads_buf, t) -> Observat
     vg = None
     if policy.needs_values:
         vg = jnp.zeros((h, *state.in_hbm.shape), jnp.float32)
-    return Observation(
-        in_hbm=state.in_hbm,
-        valid=valid,
-        last_read=st.last_read,
-        read_ema=st.read_ema,
-        mass_ema=st.mass_ema,
-        step=jnp.int32(t),
+    return Observation.of(
+        state.in_hbm,
+        valid,
+        st,
+        jnp.int32(t),
+        setup.capacity,
         forecast=fc,
-        window_reads=st.window_reads,
         forecast_mass=None if fc is None else jnp.zeros_like(fc),
-        since_seen=st.since_seen,
-        since_read=st.since_read,
-        streak=st.streak,
         value_to_go=vg,
-        capacity=setup.capacity,
     )
 
 
