@@ -59,7 +59,7 @@ def parse_args(argv=None):
         if not os.path.isfile(p):
             ap.error(f"trace {p!r} is not a file")
     if args.json:
-        from jaxkv.cli import check_writable
+        from models.record import check_writable
 
         check_writable(args.json, "--json")
     return args

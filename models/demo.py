@@ -421,7 +421,7 @@ def format_table(report: dict) -> str:
     if bound:
         rows.append(("bound (any placement)", "", "", f"{bound['best']:,.0f}", "", "", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     if bound:
         lines += ["", gap_closed(report)]

@@ -20,16 +20,18 @@ two cannot drift apart:
                           `jaxkv.decode_state.next_window`
   a step's cost           `jaxkv.decode_state.step_latency` (write-through: a demotion is free)
 
-`record` runs a Decoder's steps one at a time and keeps each step's reads (`LoopRecord`): a
-sparse selection depends on the logical blocks only, so the reads of one placement are the
-reads of any. `replay` runs them through the model above for the Decoder's policy (or another,
+`record` runs a Decoder's steps one at a time and keeps each step's reads (`LoopRecord`). A
+sparse selection depends on the logical blocks, not on where they live, so one placement's
+reads are, but for rounding, every placement's: the attention merges its HBM and host partials
+in a grouping that follows the placement, and the last bits of a layer's output can flip a
+near-tie in the selection of a layer above (2 of 28,896 reads at bench_decode's 8k case).
+`replay` runs them through the model above for the Decoder's policy (or another,
 `LoopSetup.of(decoder, policy=...)`; an oracle, which the decode loop refuses, sees the
 recorded reads of the steps after each plan: a diagnostic of how much a perfect forecast would
-gain) and returns per-step figures (`LoopReplay`) that equal the
-decode loop's own metrics: the same hit counts and migrations, the same modeled latency up to
-float rounding (tests/test_sim_loop.py, for static, lru and the live policy under both host
-tiers). Out of scope: sequences that finish during the recorded steps (EOS, a full cache), a
-sharded cache.
+gain) and returns per-step figures (`LoopReplay`) that equal the decode loop's own metrics on
+its own record: the same hit counts and migrations, the same modeled latency
+(tests/test_sim_loop.py, for static, lru and the live policy under both host tiers). Out of
+scope: sequences that finish during the recorded steps (EOS, a full cache), a sharded cache.
 """
 
 from __future__ import annotations
