@@ -50,6 +50,9 @@ from models.generate import (
 from models.record import check_writable
 
 DEFAULT_POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow")
+# LRU promotes what each step read: it plans every step, its best W here (at the demo's W 16
+# it models 25% fewer tok/s: bench/RESULTS.md, section 5); the other policies take --window
+OWN_WINDOWS = {"lru": 1}
 DEFAULT_MODEL = "smollm2"
 DEFAULT_PROMPT_LEN, DEFAULT_NEW_TOKENS = 2048, 64  # `make demo` within minutes on 2 cores
 QUESTION = "What does this Python module do? Answer in two sentences."
@@ -284,7 +287,8 @@ def _run_part(
         cfg = CacheConfig.for_model(
             mc, batch=1, max_len=prompt_len + new_tokens, block_size=block_size, **capacity
         )
-        placement = PlacementConfig(policy=policy, window=window, attention=attention)
+        w = OWN_WINDOWS.get(policy, window) if isinstance(policy, str) else window
+        placement = PlacementConfig(policy=policy, window=w, attention=attention)
         dec = Decoder(model, cfg, placement, max_new_tokens=new_tokens, profile=profile)
         bar.set_postfix_str(f"{attention}: {name}")
         if prefilled is None:
@@ -307,6 +311,7 @@ def _run_part(
         plan_s = dec.plan_seconds(params, state)
         summary = summarize(state, plan_seconds=plan_s, step_seconds=wall / n if n else None)
         summary["wall_tokens_per_s"] = n / wall if wall > 0 and n else float("nan")
+        summary["window"] = w if policy not in ("static",) and name != "all-hbm" else None
         summary["hbm_blocks"] = cfg.hbm_slots
         summary["total_blocks"] = cfg.total_blocks
         results[name] = summary
@@ -350,6 +355,7 @@ def _run_part(
                 "wall_tokens_per_s": r["wall_tokens_per_s"],
                 "plan_ms": r["plan_ms"],
                 "plan_ms_per_step": r["plan_ms_per_step"],
+                "window": r["window"],
                 "modeled_tokens_per_s_with_plan": r.get(
                     "modeled_tokens_per_s_with_plan", r["modeled_tokens_per_s"]
                 ),
@@ -396,6 +402,7 @@ def format_table(report: dict) -> str:
     rows = [
         (
             "policy",
+            "W",
             "HBM hit rate",
             "blocks migrated",
             "modeled tok/s",
@@ -409,6 +416,7 @@ def format_table(report: dict) -> str:
         rows.append(
             (
                 name,
+                "-" if r.get("window") is None else str(r["window"]),
                 f"{100 * r['hbm_hit_rate']:.1f}%",
                 str(r["migrated_blocks"]),
                 f"{r['modeled_tokens_per_s']:,.0f}",
@@ -419,7 +427,7 @@ def format_table(report: dict) -> str:
         )
     bound = report.get("bound_tokens_per_s")
     if bound:
-        rows.append(("bound (any placement)", "", "", f"{bound['best']:,.0f}", "", "", ""))
+        rows.append(("bound (any placement)", "", "", "", f"{bound['best']:,.0f}", "", "", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -433,8 +441,8 @@ def format_table(report: dict) -> str:
         f"{report['profile']}; wall on {report['device']}, jax {report['jax']}"
     )
     note = (
-        "plan ms: one plan's wall time on this device (a plan every W steps; /step spread "
-        "over the steps); 'plan charged' lengthens each modeled step by the share of a "
+        "W: steps between plans; plan ms: one plan's wall time on this device (/step: spread "
+        "over the W steps); 'plan charged' lengthens each modeled step by the share of a "
         "step's wall time that planning adds here"
     )
     if report["attention"] == "exact":
@@ -565,7 +573,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         default=",".join(DEFAULT_POLICIES),
         help="comma-separated policy names",
     )
-    p.add_argument("--window", type=int, default=16, help="steps between placement plans (W)")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=16,
+        help="steps between placement plans (W) of the planned policies; lru plans every step",
+    )
     p.add_argument(
         "--attention",
         choices=("exact", "sparse", "both"),

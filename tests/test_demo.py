@@ -49,10 +49,14 @@ def test_demo_json_is_lossless_and_shows_placement(capsys, tmp_path):
             "plan_ms",
             "plan_ms_per_step",
             "modeled_tokens_per_s_with_plan",
+            "window",
         }
         assert r["wall_tokens_per_s"] > 0
         assert r["modeled_tokens_per_s_with_plan"] <= r["modeled_tokens_per_s"]
     assert report["policies"]["static"]["plan_ms"] == 0.0  # static never plans
+    # lru plans every step (demo.OWN_WINDOWS); the others at --window; static never
+    windows = [report["policies"][n]["window"] for n in ("all-hbm", "static", "lru")]
+    assert windows == [None, None, 1]
     assert report["policies"]["lru"]["plan_ms"] > 0.0
     assert report["policies"]["all-hbm"]["hbm_hit_rate"] == 1.0
     assert report["policies"]["static"]["hbm_hit_rate"] < 0.5
