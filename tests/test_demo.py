@@ -116,6 +116,9 @@ def test_demo_table_is_readable(capsys):
     text = format_table(report)
     assert re.search(r"\nbound \(any placement\)\s+8\s", text)  # 7.5 tok/s, rounded
     assert "closed, plan charged: mine 50%" in text  # (6 - 4.5) / (7.5 - 4.5)
+    report["bound_tokens_per_s"]["best"] = 4.52  # no gap to speak of: no share printed
+    text = format_table(report)
+    assert "the best of static and lru is within 1% of it" in text and "mine" not in text[-400:]
 
 
 def test_demo_unknown_policy_is_a_clear_error(capsys):

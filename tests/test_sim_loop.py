@@ -52,7 +52,7 @@ def static_wt(tiny):
     [
         ("static", WT),
         ("lru", WT),
-        ("lru", EX),
+        pytest.param("lru", EX, marks=pytest.mark.slow),
         ("anneal+reuse+follow", WT),
         # the default suite holds the live policy's write-through case; these run in make test-slow
         pytest.param("anneal+reuse+follow", EX, marks=pytest.mark.slow),
@@ -75,6 +75,7 @@ def test_replay_equals_the_decode_loop(tiny, static_wt, policy, host_tier):
     _assert_same(rec.decoded, loop.replay(setup, static_wt[1]).metrics)
 
 
+@pytest.mark.slow  # default suite: about 10 s (CI runs make test-slow)
 def test_exact_attention_replays_too(tiny):
     dec, rec, state = _record(tiny, "lru", EX, attention="exact", window=2)
     assert rec.reads[:, :, 0, : 45 // 8 + 1].all()  # every block read
