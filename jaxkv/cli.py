@@ -12,8 +12,13 @@ main thread has not got there (it may sit in a compilation or a device computati
 the signal only when they return). Output files are written through `atomic_output`, so an
 interrupt or a failure leaves no half-written file (the watchdog removes the temporary ones).
 The line starts a line of its own: open progress bars are closed first (`_close_bars`), and
-the watchdog, which cannot touch them from its thread, clears a terminal's line or, in a log
-or pipe, ends the bar's line.
+whatever was left mid-line on stderr (a bar the watchdog cannot touch from its thread, or one
+whose constructor the interrupt cut short after its first draw, which tqdm cannot close) is
+cleared on a terminal or, in a log or pipe, has its line ended: `main` routes `sys.stderr`
+through `_LineTracker`, which knows whether the last thing written ended its line. A
+KeyboardInterrupt that lands in a garbage-collection callback (jax registers one), which
+Python would print as "Exception ignored" and drop, is handed back to the main thread
+(`_unraisable`).
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ import socket
 import sys
 import tempfile
 import threading
+import _thread
 from importlib.metadata import entry_points
 from pathlib import Path
 
 INTERRUPT_GRACE_S = 2.0  # the watchdog's wait for the main thread after Ctrl-C
+_REDELIVER_S = 0.05  # a KeyboardInterrupt lost in a gc callback is raised again this much later
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 _TEMPS: set[str] = set()  # temporary output files being written (`atomic_output`)
 
@@ -61,6 +68,60 @@ def atomic_output(path, suffix: str = ""):
 
 def _interrupted_line(command: str) -> str:
     return f"jaxkv {command}: interrupted (Ctrl-C); no output file was left half-written"
+
+
+class _LineTracker:
+    """A text stream that passes everything to `stream` and remembers whether the last text
+    written ended its line (`at_line_start`); every other attribute is the stream's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.at_line_start = True
+
+    def write(self, s: str) -> int:
+        if s:
+            self.at_line_start = s.endswith("\n")
+        return self._stream.write(s)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _end_line(err) -> str:
+    """What starts a fresh line on stderr (`err`, a `_LineTracker` or a plain stream): nothing
+    if the last write ended its line, else a clear of a terminal's line or a newline."""
+    if getattr(err, "at_line_start", True):
+        return ""
+    return "\r\x1b[K" if os.isatty(2) else "\n"
+
+
+def _unraisable(default):
+    """A `sys.unraisablehook` that re-delivers a KeyboardInterrupt raised where Python cannot
+    propagate it (a gc callback) to the main thread, without printing it; others go to
+    `default`. Delivered from a timer thread a moment later, as raised inside the hook it
+    would be swallowed again. An interrupt that lands while the hook runs (an earlier timer's,
+    in a long collection) is caught and the timer scheduled again; one that lands in a later
+    gc callback comes back here."""
+
+    def hook(u):
+        if not isinstance(u.exc_value, KeyboardInterrupt):
+            return default(u)
+        while True:
+            try:
+                timer = threading.Timer(_REDELIVER_S, _thread.interrupt_main)
+                timer.daemon = True
+                timer.start()
+                return None
+            except KeyboardInterrupt:
+                continue
+
+    return hook
+
+
+def _ignore_sigint() -> None:
+    """Ignores SIGINT from here on (from the main thread; a no-op elsewhere)."""
+    with contextlib.suppress(ValueError):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _open_bars() -> list:
@@ -109,8 +170,7 @@ def _start_watchdog(command: str, handled: threading.Event):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
         # a progress bar left mid-line: cleared on a terminal, its line ended in a log or pipe
-        clear = "\r\x1b[K" if os.isatty(2) else ("\n" if _open_bars() else "")
-        os.write(2, (clear + _interrupted_line(command) + "\n").encode())
+        os.write(2, (_end_line(sys.stderr) + _interrupted_line(command) + "\n").encode())
         os._exit(EXIT_INTERRUPTED)
 
     threading.Thread(target=watch, name="jaxkv-interrupt", daemon=True).start()
@@ -147,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handled = threading.Event()
     stop = _start_watchdog(args.command, handled)
+    err, hook, on_int = sys.stderr, sys.unraisablehook, signal.getsignal(signal.SIGINT)
+    sys.stderr = _LineTracker(err)
+    sys.unraisablehook = _unraisable(hook)
     try:
         return int(args.func(args) or 0)
     except ValueError as e:
@@ -154,12 +217,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         handled.set()
+        _ignore_sigint()  # a second Ctrl-C (or a re-delivered one) cannot cut the line short
         _close_bars()
-        print(_interrupted_line(args.command), file=sys.stderr, flush=True)
+        print(_end_line(sys.stderr) + _interrupted_line(args.command), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     finally:
         handled.set()
         stop()
+        sys.stderr, sys.unraisablehook = err, hook
+        if on_int is not None and signal.getsignal(signal.SIGINT) is not on_int:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGINT, on_int)
 
 
 if __name__ == "__main__":

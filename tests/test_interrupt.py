@@ -128,3 +128,63 @@ def test_ctrl_c_ends_jaxkv_simulate_the_same_way():
     assert p.returncode == 130, err
     assert err.endswith("\n" + line + "\n") and err.count(line) == 1, repr(err)
     assert "Traceback" not in err
+
+
+def _main_with(monkeypatch, func):
+    """`jaxkv.cli.main` running a command whose body is `func`: (status, what it wrote)."""
+    import argparse
+    import io
+
+    from jaxkv import cli
+
+    def parser():
+        p = argparse.ArgumentParser(prog="jaxkv")
+        sub = p.add_subparsers(dest="command", required=True)
+        sub.add_parser("probe").set_defaults(func=func)
+        return p
+
+    monkeypatch.setattr(cli, "build_parser", parser)
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    status = cli.main(["probe"])
+    assert sys.stderr is err  # put back
+    return status, err.getvalue()
+
+
+def test_interrupt_after_a_bar_cut_short_in_its_constructor_starts_a_line(monkeypatch):
+    """The CI failure of 2026-12-05: the interrupt came after tqdm's first draw but before its
+    constructor set the bar's clock, so `close()` wrote nothing and the line followed the bar.
+    Any text left mid-line on stderr now gets its line ended, whatever wrote it."""
+
+    def command(args):
+        sys.stderr.write("\rsimulate:   0%|          | 0/3 [00:00<?, ?chunk/s]")
+        raise KeyboardInterrupt
+
+    status, err = _main_with(monkeypatch, command)
+    line = "jaxkv probe: interrupted (Ctrl-C); no output file was left half-written"
+    assert status == 130
+    assert err.endswith("chunk/s]\n" + line + "\n"), repr(err)
+
+
+def test_interrupt_lost_in_a_gc_callback_reaches_the_main_thread(monkeypatch):
+    """A KeyboardInterrupt raised inside a garbage-collection callback (jax has one) cannot
+    propagate: Python printed it as "Exception ignored" and went on, and only the watchdog
+    ended the run. It is now handed back to the main thread, silently."""
+    import gc
+
+    def callback(phase, info):
+        raise KeyboardInterrupt
+
+    def command(args):
+        gc.callbacks.append(callback)
+        try:
+            gc.collect()
+        finally:
+            gc.callbacks.remove(callback)
+        for _ in range(10_000_000):  # the re-delivered interrupt lands here
+            pass
+        raise AssertionError("the interrupt was lost")
+
+    status, err = _main_with(monkeypatch, command)
+    assert status == 130
+    assert err == "jaxkv probe: interrupted (Ctrl-C); no output file was left half-written\n"
