@@ -23,6 +23,7 @@ Python would print as "Exception ignored" and drop, is handed back to the main t
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
 import importlib
@@ -32,7 +33,6 @@ import socket
 import sys
 import tempfile
 import threading
-import _thread
 from importlib.metadata import entry_points
 from pathlib import Path
 
