@@ -47,22 +47,14 @@ from flax import nnx
 from jaxkv import presets
 from jaxkv._pytree import replace
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
+from jaxkv.cost import ARCHITECTURES
 from jaxkv.decode import Decoder, summarize
 from jaxkv.sim import loop
 from jaxkv.transfer import on_gpu
 from models.llama import Llama, LlamaConfig
 
 SHAPES = {
-    "8b": dict(
-        num_layers=32,
-        dim=4096,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        ffn_dim=14336,
-        vocab_size=128256,
-        rope_theta=500000.0,
-    ),
+    "8b": ARCHITECTURES["llama3-8b"].llama_fields(),  # the one table (jaxkv.cost)
     "mh": dict(
         num_layers=8,
         dim=512,

@@ -43,6 +43,7 @@ from flax import nnx  # noqa: E402
 from jaxkv import cache as kvc  # noqa: E402
 from jaxkv import gpu_compile as gc  # noqa: E402
 from jaxkv.config import CacheConfig, PlacementConfig  # noqa: E402
+from jaxkv.cost import ARCHITECTURES  # noqa: E402
 from jaxkv.decode import Decoder  # noqa: E402
 from jaxkv.quant import parse_policy  # noqa: E402
 
@@ -70,16 +71,10 @@ TABLE = (
     "compile_s",
 )
 
-LLAMA_8B = dict(
-    vocab_size=128256,
-    dim=4096,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    ffn_dim=14336,
-    dtype="bfloat16",
-    rope_theta=500000.0,
-)
+LLAMA_8B = {  # the one table (jaxkv.cost.ARCHITECTURES); the layers are set per program
+    **{k: v for k, v in ARCHITECTURES["llama3-8b"].llama_fields().items() if k != "num_layers"},
+    "dtype": "bfloat16",
+}
 SMALL = dict(  # the tests' small shape
     vocab_size=512,
     dim=128,

@@ -64,9 +64,9 @@ SEED_TABLE = {
 SEED_CLAIM = {"model": "Llama-3.1-70B", "context": 262_144, "tokens_per_s": 45.0, "vs_plain": 6.2}
 ONLINE = ("anneal+reuse", "anneal+reuse+follow")
 POLICIES = ("static", "lru", "paper-sa", *ONLINE, "anneal-oracle", "unlimited")
-# Llama-3.1-70B's public shape
-L70 = dict(layers=80, kv_heads=8, head_dim=128, dim=8192, ffn=28672, vocab=128_256)
-VOCAB_8B, DIM_8B = 128_256, 4096  # Llama-3.1-8B's LM head (untied): 1.05 GB of bf16
+L70 = cost.ARCHITECTURES["llama3-70b"]  # Llama-3.1-70B's public shape
+L8 = cost.ARCHITECTURES["llama3-8b"]
+VOCAB_8B, DIM_8B = L8.vocab_size, L8.dim  # Llama-3.1-8B's LM head (untied): 1.05 GB of bf16
 
 FULL = dict(
     contexts="4096,32768",
@@ -118,21 +118,21 @@ class Bar:
 def geometry_70b(devices: int) -> tuple[cost.Geometry, float]:
     """(one device's share of Llama-3.1-70B under `devices`-way tensor parallelism, that
     device's LM head bytes). Weights, LM head and KV heads split evenly; bf16."""
-    d, kv = L70["dim"], L70["kv_heads"] * L70["head_dim"]
-    layer = 2 * d * d + 2 * d * kv + 3 * d * L70["ffn"] + 2 * d  # attention, MLP, norms
-    params = L70["layers"] * layer + 2 * L70["vocab"] * d + d  # + embedding, LM head, norm
-    if L70["kv_heads"] % devices:
+    d = L70.dim
+    layer = L70.layer_params + 2 * d  # attention, MLP, norms
+    params = L70.num_layers * layer + 2 * L70.vocab_size * d + d  # + embedding, LM head, norm
+    if L70.num_kv_heads % devices:
         raise ValueError(f"--claim-devices: {devices} does not divide the 8 KV heads")
     g = cost.Geometry(
         f"llama3.1-70b/tp{devices}",
-        L70["layers"],
-        L70["kv_heads"] // devices,
-        L70["head_dim"],
+        L70.num_layers,
+        L70.num_kv_heads // devices,
+        L70.head_dim,
         2,
         2.0 * layer / devices,
         2.0 * params / devices,
     )
-    return g, 2.0 * L70["vocab"] * d / devices
+    return g, 2.0 * L70.vocab_size * d / devices
 
 
 def static_capacity(trace, sparsity: float, target: float, chunk: int, horizon: int = 0) -> dict:

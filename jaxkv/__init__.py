@@ -2,7 +2,8 @@
 
 The runtime (what a model imports; it never imports `jaxkv.sim`, scipy or optax):
   config        static configs and hardware profiles
-  cost          the cost model: step latency, bounds, `CostModel` (what a plan is priced in)
+  cost          the cost model: step latency, bounds, `CostModel` (what a plan is priced in),
+                the one table of model shapes (`ARCHITECTURES`) and their geometries
   cache         TieredKVCache and its pure operations (cache_layout: the pytree; migration:
                 plan_moves / migrate; slot_ops: slot-table helpers)
   transfer      reads and writes across memory kinds

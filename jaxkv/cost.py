@@ -152,11 +152,78 @@ class Geometry:
         return int(kv // (self.num_layers * self.token_bytes))
 
 
-_LLAMA_LAYER_PARAMS = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336  # attn + MLP
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """A Llama-class model's shape, the one table of the models jaxkv measures on: a cost
+    `Geometry` is derived from it (`geometry`), and the benchmarks build random-weight models
+    of it (`llama_fields`, the `models.llama.LlamaConfig` fields).
+
+    Attributes:
+      name: the table's key.
+      num_layers, dim, num_heads, num_kv_heads, head_dim, ffn_dim, vocab_size, rope_theta: the
+        decoder's shape (grouped-query attention, a gated MLP of width ffn_dim).
+      params: the published parameter count, embeddings and LM head included.
+      tie_embeddings: the LM head is the embedding.
+    """
+
+    name: str
+    num_layers: int
+    dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    rope_theta: float
+    params: float
+    tie_embeddings: bool = False
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one layer's matrices: q and o (dim x heads x head_dim each), k and v
+        (dim x kv heads x head_dim each) and the gated MLP (3 x dim x ffn_dim); norms left out."""
+        d = self.dim
+        q = d * self.num_heads * self.head_dim
+        kv = d * self.num_kv_heads * self.head_dim
+        return 2 * q + 2 * kv + 3 * d * self.ffn_dim
+
+    def llama_fields(self) -> dict:
+        """The `models.llama.LlamaConfig` fields of this shape (the caller adds dtype, length)."""
+        names = ("num_layers", "dim", "num_heads", "num_kv_heads", "head_dim", "ffn_dim")
+        out = {n: getattr(self, n) for n in (*names, "vocab_size", "rope_theta")}
+        return {**out, "tie_embeddings": True} if self.tie_embeddings else out
+
+    def geometry(self, dtype_bytes: int = 2) -> Geometry:
+        """The cost model's geometry of this shape with weights and KV of `dtype_bytes` bytes:
+        a step reads each layer's matrices (`layer_params`); every parameter takes HBM."""
+        return Geometry(
+            self.name,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            dtype_bytes,
+            float(dtype_bytes) * self.layer_params,
+            float(dtype_bytes) * self.params,
+        )
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    # Llama-3.1-8B: GQA 8 KV heads x 128 (4 KiB per token-layer in bf16), 218M parameters per
+    # layer, 8.03B in all
+    "llama3-8b": Architecture("llama3-8b", 32, 4096, 32, 8, 128, 14336, 128256, 500000.0, 8.03e9),
+    # Llama-3.1-70B (the seed article's 256k claim, bench/seed_table.py): 80 layers, GQA 8 x 128
+    "llama3-70b": Architecture("llama3-70b", 80, 8192, 64, 8, 128, 28672, 128256, 500000.0, 70.6e9),
+    # SmolLM2-135M-Instruct, the real model (`models.named`, "smollm2"): GQA 3 KV heads x 64,
+    # tied embeddings, 134,515,008 parameters
+    "smollm2-135m": Architecture(
+        "smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, 100000.0, 134515008.0, True
+    ),
+}
 GEOMETRIES: dict[str, Geometry] = {
-    # Llama-3.1-8B: GQA 8 KV heads x 128, bf16 -> 4 KiB per token-layer; 436 MB weights per layer
-    # and about 16 GB of parameters in all (embeddings and LM head included).
-    "llama3-8b": Geometry("llama3-8b", 32, 8, 128, 2, 2.0 * _LLAMA_LAYER_PARAMS, 2.0 * 8.03e9),
+    # 436 MB of weights read per layer and step in bf16, about 16 GB of parameters in all
+    "llama3-8b": ARCHITECTURES["llama3-8b"].geometry(2),
+    # bf16, as deployed (the demo runs it in float32: a trace records its own geometry)
+    "smollm2-135m": ARCHITECTURES["smollm2-135m"].geometry(2),
     # The paper's own accounting (docs/paper.md, calibration): d = 4096, 16 KiB per token-layer,
     # W = 4 d^2 * 2 + 2 d d_ff * 2 / 8 bytes per layer; HBM capacity = HBM - 2 x params (16 GB).
     "paper": Geometry(

