@@ -130,7 +130,10 @@ class Decoder:
       sampler: `Greedy()` or `Sampling(...)`.
       profile: a HardwareProfile or a preset name, for the modeled latency.
       eos_id: the stop token(s): an int, a sequence of ints (instruct models list several), or None.
-      impl: attention implementation, "auto" | "xla" | "pallas".
+      impl: attention implementation, "auto" | "xla" | "pallas". The Pallas kernel returns no
+        per-block log-sum-exp, so under it the attention mass statistics (`step_mass`,
+        `mass_ema`) stay zero (`collects_mass`); the read statistics, placement and outputs
+        are the same. What needs the mass (a trace, `jaxkv.sim.loop.record`) refuses it.
       ema_decay: decay of the per-block read statistics per step.
       policy_kwargs: knob overrides of an anneal policy (`jaxkv.presets.KNOBS`, e.g.
         {"spread": 1.0}).
@@ -240,6 +243,12 @@ class Decoder:
     def follows(self) -> bool:
         """The policy sets a target between steps that each step's layers follow."""
         return self.policy.follow is not None
+
+    @property
+    def collects_mass(self) -> bool:
+        """The step records each block's attention mass (the XLA path; not the Pallas kernel,
+        which returns no per-block log-sum-exp: the mass statistics stay zero)."""
+        return resolve_impl(self.impl, self.cache_config) != "pallas"
 
     @property
     def prefill_fn(self):

@@ -121,7 +121,9 @@ def record_trace(
         placement = PlacementConfig(
             policy="static", attention="sparse", topk=float(1.0 - sparsity), window=1 << 20
         )
-    dec = Decoder(model, cfg, placement, max_new_tokens=steps + 1)
+    # the XLA path: a trace records each block's attention mass, which the Pallas kernel
+    # does not return (`Decoder.collects_mass`)
+    dec = Decoder(model, cfg, placement, max_new_tokens=steps + 1, impl="xla")
     _, params = nnx.split(model)
     state = dec.prefill(params, prompt_ids[None])
     K = cfg.max_blocks

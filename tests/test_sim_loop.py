@@ -167,3 +167,17 @@ def test_replay_under_another_window_and_an_oracle(tiny, static_wt):
     got = loop.replay(loop.LoopSetup.of(lru2, policy=oracle), rec)
     assert got.plans == STEPS // 2
     assert loop.bounds(loop.LoopSetup.of(dec), rec)["best"] <= got.summary()["modeled_seconds"]
+
+
+def test_record_refuses_a_decoder_that_collects_no_mass(tiny):
+    """The Pallas kernel returns no per-block log-sum-exp, so its mass statistics stay zero:
+    a record (whose mass an oracle reads) refuses it before any step, naming the impl."""
+    model, params = tiny
+    if model.config.head_dim % 16:
+        pytest.skip("the kernel's geometry needs head_dim a multiple of 16")
+    cfg = CacheConfig.for_model(model.config, batch=1, max_len=64, block_size=16, hbm_fraction=0.5)
+    dec = Decoder(model, cfg, PlacementConfig(policy="lru"), max_new_tokens=8, impl="pallas")
+    assert not dec.collects_mass
+    assert _decoder(model, "lru", WT).collects_mass
+    with pytest.raises(ValueError, match="impl 'pallas' is the Pallas kernel, which collects no"):
+        loop.record(dec, params, None, 4)

@@ -174,6 +174,11 @@ def record(decoder, params, state, steps: int):
     included); its mass is the statistics' `step_mass`."""
     if isinstance(steps, bool) or not isinstance(steps, int | np.integer) or steps < 1:
         raise ValueError(f"steps={steps!r}: expected a positive int")
+    if not decoder.collects_mass:
+        raise ValueError(
+            f"record: the decoder's attention impl {decoder.impl!r} is the Pallas kernel, which "
+            "collects no attention mass (the record's mass would be zeros): expected impl='xla'"
+        )
     c = decoder.cache_config
     s0 = int(state.sampling.step)
     room = decoder.max_new_tokens - 1 - s0
