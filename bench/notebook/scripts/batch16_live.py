@@ -56,10 +56,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--hbm", type=float, default=0.10)
     ap.add_argument("--profile", default="h200-pcie", help="the modeled profile, e.g. gh200-paper")
+    ap.add_argument(
+        "--same",
+        action="store_true",
+        help="every row the first module's prompt (as a trace's batch: one sequence, B x bytes)",
+    )
     args = ap.parse_args()
     model, tok = load_model("smollm2")
     params = nnx.split(model)[1]
     ids = prompts(tok)
+    if args.same:
+        ids = np.broadcast_to(ids[:1], ids.shape).copy()
     B, n = ids.shape[0], args.steps
     cfg = CacheConfig.for_model(
         model.config, batch=B, max_len=PROMPT + n + 8, block_size=16, hbm_fraction=args.hbm
@@ -95,9 +102,10 @@ def main() -> None:
         share = plan_s * (-(-n // w)) / n / step_s
         rows[(policy, w)] = (tps, tps / (1 + share), got["hbm_hit_rate"], plan_s, share)
         print(f"  {policy} W {w}: {tps:,.0f} tok/s, +plan {tps / (1 + share):,.0f}", flush=True)
+    one = " (one prompt)" if args.same else ""
     base = max(rows[("static", 1)][1], *(r[1] for (p, _), r in rows.items() if p == "lru"))
     print(
-        f"\nSmolLM2-135M, batch {B} x {PROMPT} prompt tokens, {n} steps, sparse top 25%, HBM "
+        f"\nSmolLM2-135M, batch {B} x {PROMPT} prompt tokens{one}, {n} steps, sparse top 25%, HBM "
         f"{args.hbm:.0%} ({cfg.hbm_slots} of {cfg.total_blocks} blocks), {args.profile}; jax "
         f"{jax.__version__} on {jax.devices()[0].platform}; modeled tok/s"
     )
