@@ -189,9 +189,11 @@ class Architecture:
 
     def llama_fields(self) -> dict:
         """The `models.llama.LlamaConfig` fields of this shape (the caller adds dtype, length)."""
-        names = ("num_layers", "dim", "num_heads", "num_kv_heads", "head_dim", "ffn_dim")
-        out = {n: getattr(self, n) for n in (*names, "vocab_size", "rope_theta")}
-        return {**out, "tie_embeddings": True} if self.tie_embeddings else out
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del out["name"], out["params"]
+        if not self.tie_embeddings:  # LlamaConfig's default
+            del out["tie_embeddings"]
+        return out
 
     def geometry(self, dtype_bytes: int = 2) -> Geometry:
         """The cost model's geometry of this shape with weights and KV of `dtype_bytes` bytes:
