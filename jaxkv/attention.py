@@ -125,12 +125,23 @@ def select_blocks(
       [batch, max_blocks] bool.
     """
     c = cache.config
+    if placement.attention == "exact":
+        return live_blocks(lengths, c.block_size, c.max_blocks, window_starts(lengths, window))
+    written, rank, k = quest_ranks(q, cache, layer, lengths, placement, window=window)
+    return written & (rank < k[:, None])
+
+
+def quest_ranks(
+    q, cache: TieredKVCache, layer: int, lengths, placement: PlacementConfig, *, window=None
+):
+    """The sparse selection's ranking (`select_blocks` reads the blocks with rank < k): the
+    blocks written ([batch, max_blocks] bool), each one's rank by Quest score ([batch,
+    max_blocks] int, 0 the best; the sink and recent blocks first) and k ([batch] int)."""
+    c = cache.config
     M = c.max_blocks
     j = jnp.arange(M)
     n_written = -(-lengths // c.block_size)  # [B]
     written = live_blocks(lengths, c.block_size, M, window_starts(lengths, window))
-    if placement.attention == "exact":
-        return written
     score = quest_scores(q, cache.kmin[layer], cache.kmax[layer])
     forced = (j[None] < placement.sink_blocks) | (
         j[None] >= n_written[:, None] - placement.recent_blocks
@@ -144,7 +155,7 @@ def select_blocks(
         k = jnp.ceil(placement.topk * n_live).astype(jnp.int32)
     k = jnp.maximum(k, jnp.sum(forced & written, axis=1))
     rank = jnp.argsort(jnp.argsort(-score, axis=1, stable=True), axis=1)
-    return written & (rank < k[:, None])
+    return written, rank, k
 
 
 def fetch_host_blocks(cache: TieredKVCache, layer, read_host, num_staging: int):

@@ -2,7 +2,7 @@
 ranking at step t predict the reads of step t + 1 better than recency?
 
 Records a sparse decode (lru) with every layer's Quest rank and k at every step, through a
-`jax.debug.callback` wrapped around `jaxkv.attention.select_blocks` (research only: the callback
+`jax.debug.callback` wrapped around `jaxkv.attention.quest_ranks` (research only: the callback
 is a host sync), checks that rank < k reproduces the recorded reads, then measures:
   - churn: the share of step t + 1's reads that step t did not read;
   - per layer, the share of step t + 1's reads among the C blocks a predictor ranks first at
@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -32,37 +31,22 @@ from jaxkv.decode import Decoder  # noqa: E402
 from jaxkv.sim import loop  # noqa: E402
 
 STORE = []  # (layer, rank [B, M], k [B]) per layer call, in call order
-_select = att.select_blocks
+_ranks = att.quest_ranks
 
 
-def _select_and_keep(q, cache, layer, lengths, placement, *, window=None):
-    """select_blocks, with the ranks and k it uses sent to STORE (the same computation)."""
-    out = _select(q, cache, layer, lengths, placement, window=window)
-    if placement.attention == "exact":
-        return out
-    c = cache.config
-    j = jnp.arange(c.max_blocks)
-    n_written = -(-lengths // c.block_size)
-    written = att.live_blocks(
-        lengths, c.block_size, c.max_blocks, att.window_starts(lengths, window)
-    )
-    score = att.quest_scores(q, cache.kmin[layer], cache.kmax[layer])
-    forced = (j[None] < placement.sink_blocks) | (
-        j[None] >= n_written[:, None] - placement.recent_blocks
-    )
-    score = jnp.where(written, jnp.where(forced, jnp.inf, score), -jnp.inf)
-    k = jnp.ceil(placement.topk * jnp.sum(written, axis=1)).astype(jnp.int32)
-    k = jnp.maximum(k, jnp.sum(forced & written, axis=1))
-    rank = jnp.argsort(jnp.argsort(-score, axis=1, stable=True), axis=1)
+def _ranks_and_keep(q, cache, layer, lengths, placement, *, window=None):
+    """`jaxkv.attention.quest_ranks` (what select_blocks reads), with its ranks and k sent to
+    STORE."""
+    written, rank, k = _ranks(q, cache, layer, lengths, placement, window=window)
 
     def keep(layer, rank, k):
         STORE.append((int(layer), np.asarray(rank), np.asarray(k)))
 
     jax.debug.callback(keep, layer, rank, k)
-    return out
+    return written, rank, k
 
 
-att.select_blocks = _select_and_keep
+att.quest_ranks = _ranks_and_keep
 
 
 def _record(dec, params, state, steps):
