@@ -101,6 +101,6 @@ step bench_decode_bound 120 "$PY" bench/bench_decode_bound.py --context 32768 \
 # ms, hit rate, modeled tok/s and the fraction of the two-tier bound, static vs the live policy
 # (the JSON is rewritten after every case, so a cut run keeps what it measured)
 step bench_decode 150 "$PY" bench/bench_decode.py --shape 8b --contexts 32768 --batches 1 \
-  --policies static,anneal+reuse+follow --steps 8 --json "$OUT/bench_decode.json"
+  --policies static,lrfu --steps 8 --json "$OUT/bench_decode.json"
 step bench_sweep 40 "$PY" bench/bench_kernels.py --only-sweep --iters 10 --json "$OUT/bench_sweep.json"
 echo "done in $SECONDS s; results under $OUT" | tee -a "$SUMMARY"

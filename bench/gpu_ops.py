@@ -47,7 +47,7 @@ from jaxkv.cost import ARCHITECTURES  # noqa: E402
 from jaxkv.decode import Decoder  # noqa: E402
 from jaxkv.quant import parse_policy  # noqa: E402
 
-POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow")
+POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow", "lrfu")
 MODES = ("exact", "sparse")
 NEW_TOKENS = 64  # max_len = context + NEW_TOKENS
 PER_POLICY = ("step", "window_step")  # functions that depend on the mode and policy
@@ -279,14 +279,23 @@ def check(cases: list[dict], layers: int) -> list[str]:
     return fails
 
 
+def _follows(policy: str) -> bool:
+    """The policy runs a per-step rule (`Policy.follow`) inside the decode step."""
+    from jaxkv import presets
+    from jaxkv.cost import CostModel
+
+    return policy != "-" and presets.resolve(policy, CostModel()).follow is not None
+
+
 def policy_free(cases: list[dict]) -> list[str]:
     """The decode step plans nothing, so every policy must compile it to the same operations
     (a policy's work belongs to the window step); failures for (context, batch, mode) groups
-    whose steps differ. A `+follow` policy is the exception by design: its every step runs the
-    follow rule and one bulk migration after the layers (`jaxkv.decode`), so it is left out."""
+    whose steps differ. A policy with a per-step rule (`+follow`, lrfu) is the exception by
+    design: its every step runs the follow rule and one bulk migration after the layers
+    (`jaxkv.decode`), so it is left out."""
     groups: dict[tuple, dict[str, int]] = {}
     for r in cases:
-        if r["fn"] == "step" and "+follow" not in r["policy"]:
+        if r["fn"] == "step" and not _follows(r["policy"]):
             groups.setdefault((r["context"], r["batch"], r["mode"]), {})[r["policy"]] = r["gpu_ops"]
     return [
         f"step ctx={k[0]} B={k[1]} {k[2]}: gpu_ops differ by policy {v}"

@@ -28,7 +28,7 @@ from jaxkv.cost import GEOMETRIES
 from jaxkv.sim import loop, loop_trace
 from jaxkv.sim import trace as tr
 
-POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow")
+POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow", "lrfu")
 # (label, modeled batch, HBM pool as a fraction of the blocks, geometry: None = the trace's)
 CASES = {
     "b1": ("batch 1", 1, 0.1, None),
@@ -93,7 +93,7 @@ def run_case(trace, case: str, args) -> dict:
             migrated_blocks=sm["migrated_blocks"],
             plans=r.plans,
             replay_s=time.perf_counter() - t0,
-            plan_ms=1e3 * plan_seconds(s, rec) if r.plans else 0.0,
+            plan_ms=1e3 * plan_seconds(s, rec) if r.plans and s.policy.plans else 0.0,
         )
     base = min(rows[p]["modeled_ms"] for p in ("static", "lru") if p in rows)
     best = 1e3 * b["best"]

@@ -350,13 +350,15 @@ class Decoder:
 
     def plan_seconds(self, params, state: DecodeState, repeats: int = 3) -> float:
         """Wall seconds of one plan (observe -> policy.plan, all layers) on the present device,
-        compiled and warmed first, best of `repeats`; 0.0 for a policy that never plans
-        (static). `state` is not consumed."""
+        compiled and warmed first, best of `repeats`; 0.0 for a policy whose plan keeps the
+        placement as it is (`plans` False: static, lrfu). `state` is not consumed."""
         del params
         self._check_state(state, "Decoder.plan_seconds")
         if not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-        return 0.0 if self.policy.name == "static" else best_seconds(self._plan, state, repeats)
+        if not getattr(self.policy, "plans", True):
+            return 0.0
+        return best_seconds(self._plan, state, repeats)
 
     def _check_state(self, state, where: str) -> None:
         """ValueError unless `state` is a live state of this Decoder (`check_state`)."""
@@ -454,8 +456,8 @@ class Decoder:
         attn_len = state.cache.lengths + active.astype(jnp.int32)
         scale = 1.0 / float(np.sqrt(self.model_config.head_dim))
         L, B, M = c.num_layers, c.batch, c.max_blocks
-        follow = self.follows
-        pstate = state.placement.policy
+        follow, rule = self.follows, self.policy.follow
+        pstate, stats = state.placement.policy, state.statistics.blocks
         dt = c.jnp_dtype
         windows = self._layer_windows()
 
@@ -475,9 +477,8 @@ class Decoder:
             )
             reads = reads.with_layer(layer, st)
             if follow:
-                admit = self.policy.follow.admit
                 fol = follow_layer(
-                    cache, layer, st, staged, pstate, fol, num_blocks=B * M, admit=admit
+                    cache, layer, st, staged, pstate, fol, stats, num_blocks=B * M, follow=rule
                 )
             return out.astype(q.dtype), (cache, reads, fol)
 

@@ -47,7 +47,7 @@ def empty_follow_moves(c: CacheConfig, max_moves: int) -> FollowMoves:
     )
 
 
-def follow_layer(cache, layer, st, staged, pstate, fol: FollowMoves, *, num_blocks, admit):
+def follow_layer(cache, layer, st, staged, pstate, fol: FollowMoves, stats, *, num_blocks, follow):
     """The `follow` rule of one layer (traced `layer`) after its read: the promotions and
     the demotions that make room for them (`jaxkv.policies.follow_moves`), and the fetched
     contents of the promoted blocks, written into the per-layer lists `fol`.
@@ -56,24 +56,23 @@ def follow_layer(cache, layer, st, staged, pstate, fol: FollowMoves, *, num_bloc
       cache: the cache after this layer's token write.
       st, staged: the layer's read statistics and staged host blocks (`tiered_attention` with
         return_staging).
-      pstate: the policy's state (its `target` and `priority`, [layers, N]).
+      pstate: the policy's state (its `target` and `priority`, [layers, N], unless admit is
+        "value").
+      stats: the read statistics before this step (`jaxkv.importance.Stats`; admit="value"
+        ranks by their read frequency with this step's reads folded in).
       num_blocks: N = batch * max_blocks.
-      admit: `Follow.admit` of the policy."""
+      follow: the policy's `Follow`."""
     N = num_blocks
     K = fol.promote.shape[1]
     sealed = cache.sealed[layer].reshape(1, N)
     in_hbm = sealed & (cache.tier[layer].reshape(1, N) == kvc.TIER_HBM)
     reads = (st.read_hbm | st.read_host).reshape(1, N)
     room = jnp.sum(cache.hbm_free[layer])[None]
+    target, priority, value = follow.inputs(
+        pstate, stats.read_ema[layer][None], reads, stats.decay, layer
+    )
     pro, n_p, dem, n_d = follow_moves(
-        in_hbm,
-        sealed,
-        reads,
-        pstate.target[layer][None],
-        pstate.priority[layer][None],
-        room,
-        K,
-        admit=admit,
+        in_hbm, sealed, reads, target, priority, room, K, admit=follow.admit, value=value
     )
     sk, sv, stable = staged
     at = jnp.take(stable.reshape(-1), pro[0])  # staging slot of each promoted block

@@ -94,6 +94,8 @@ class Policy(Protocol):
     follow: a per-step rule (`Follow`) the caller applies between plans, or None.
     budget: blocks a plan (or a follow step) may move per layer; None = unbounded.
     adapts_window: the policy sets its own steps between plans (`next_window` varies).
+    plans (optional, True when absent): False when `plan` keeps the placement as it is
+      (static, lrfu): `Decoder.plan_seconds` charges it nothing.
     """
 
     name: str
@@ -126,6 +128,7 @@ class PolicyBase:
     follow = None
     budget = None
     adapts_window = False
+    plans = True  # False: `plan` keeps the placement as it is (no target, nothing to time)
 
     def init(self, num_layers: int, num_blocks: int):
         return ()
@@ -154,23 +157,47 @@ def top_capacity(score: jax.Array, valid: jax.Array, capacity: int) -> jax.Array
     return picked & valid
 
 
-FOLLOW_ADMITS = ("read", "ranked", "target")
+FOLLOW_ADMITS = ("read", "ranked", "target", "value")
 
 
-def follow_moves(in_hbm, valid, reads, target, priority, room, budget: int, admit: str = "read"):
+def follow_value(read_ema, reads, decay: float = imp.READ_DECAY):
+    """[rows, N] float32: each block's value to the `admit="value"` rule, its decayed read
+    frequency with this step's reads folded in: `Stats.read_ema` one step on, decay x read_ema
+    + (1 - decay) x read (the order of LRFU's combined recency and frequency, 2^-lambda =
+    decay). Mixing in the window plan's expected reads was measured and gains nothing
+    (bench/notebook/2026-12-06-lrfu.md)."""
+    return decay * read_ema.astype(jnp.float32) + (1.0 - decay) * reads.astype(jnp.float32)
+
+
+def follow_moves(
+    in_hbm,
+    valid,
+    reads,
+    target,
+    priority,
+    room,
+    budget: int,
+    admit: str = "read",
+    value=None,
+):
     """The per-step rule of a `follow` policy (`Follow`), vectorized over rows (layers).
 
-    Candidates are blocks this step reads from host, victims resident blocks it does not read.
-    Both are ranked by (in the window's target, `priority`): candidates best first, victims
-    worst first (blocks outside the target go first, the least expected first). The i-th
-    candidate is promoted into a free slot while `room` lasts, beyond it by displacing the next
-    victim, at most `budget` per row; the promoted blocks are a leading run of the candidates.
-    `admit` says which candidates may be promoted:
+    Candidates are blocks this step reads from host. Under "read", "ranked" and "target" the
+    victims are resident blocks this step does not read, and both are ranked by (in the
+    window's target, `priority`): candidates best first, victims worst first (blocks outside
+    the target go first, the least expected first). Under "value" both are ranked by `value`
+    alone (`follow_value`: the read frequency after this step) and every resident block is a
+    victim, read at this step or not. The i-th candidate is promoted into a free slot while
+    `room` lasts, beyond it by displacing the next victim, at most `budget` per row; the
+    promoted blocks are a leading run of the candidates. `admit` says which candidates may be
+    promoted:
       "read": every candidate (promote on read, as LRU does; the plan chooses the victims);
       "ranked": a candidate displaces a victim only when it ranks higher (its read counts as
         one expected read more);
       "target": only target blocks, and only over victims outside the target (the window's
-        target followed literally).
+        target followed literally);
+      "value": a candidate displaces a victim only when its value is strictly higher (no plan
+        needed: the online read frequency is the forecast).
 
     Args:
       in_hbm, valid, reads, target: [rows, N] bool: resident (sealed, in HBM), placeable, read
@@ -178,7 +205,8 @@ def follow_moves(in_hbm, valid, reads, target, priority, room, budget: int, admi
       priority: [rows, N] float32: expected reads over the window (`AnnealPolicyState.priority`).
       room: [rows] int: free HBM slots.
       budget: static bound on the promotions (and so demotions) per row.
-      admit: "read" | "ranked" | "target".
+      admit: "read" | "ranked" | "target" | "value".
+      value: [rows, N] float32, each block's value (`follow_value`); "value" only.
     Returns:
       (promote, num_promote, demote, num_demote): [rows, K] int32 block indices, the first
       num_* [rows] int32 of each valid (K = min(budget, N)); num_demote = max(num_promote -
@@ -186,6 +214,11 @@ def follow_moves(in_hbm, valid, reads, target, priority, room, budget: int, admi
     """
     if admit not in FOLLOW_ADMITS:
         raise ValueError(f"follow_moves admit must be one of {FOLLOW_ADMITS}, got {admit!r}")
+    if (admit == "value") != (value is not None):
+        raise ValueError(
+            f"follow_moves admit={admit!r} with value {'None' if value is None else 'given'}: "
+            'expected a value array exactly when admit="value"'
+        )
     rows, n = in_hbm.shape
     k = max(0, min(int(budget), n))
     i32 = jnp.int32
@@ -193,21 +226,25 @@ def follow_moves(in_hbm, valid, reads, target, priority, room, budget: int, admi
         z = jnp.zeros((rows, 0), i32)
         zn = jnp.zeros((rows,), i32)
         return z, zn, z, zn
-    big = 1e6  # target membership outranks any priority (expected reads <= window steps)
-    rank = jnp.where(target, big, 0.0) + priority.astype(jnp.float32)
     cand = reads & valid & ~in_hbm
+    victim = in_hbm & valid
+    if admit == "value":
+        rank = c_rank_of = value.astype(jnp.float32)
+    else:
+        big = 1e6  # target membership outranks any priority (expected reads <= window steps)
+        rank = jnp.where(target, big, 0.0) + priority.astype(jnp.float32)
+        c_rank_of = rank + 1.0
+        victim &= ~reads
     if admit == "target":
         cand &= target
-    victim = in_hbm & valid & ~reads
-    if admit == "target":
         victim &= ~target
-    c_rank, pro = jax.lax.top_k(jnp.where(cand, rank + 1.0, -jnp.inf), k)  # best first
+    c_rank, pro = jax.lax.top_k(jnp.where(cand, c_rank_of, -jnp.inf), k)  # best first
     v_neg, dem = jax.lax.top_k(jnp.where(victim, -rank, -jnp.inf), k)  # worst first
     room = jnp.maximum(jnp.asarray(room, i32), 0)
     j = jnp.arange(k)[None] - room[:, None]  # the victim the i-th candidate would displace
     v_rank = -jnp.take_along_axis(v_neg, jnp.clip(j, 0, k - 1), axis=1)
     has_victim = (j < k) & jnp.isfinite(v_rank)
-    better = (c_rank > v_rank) if admit == "ranked" else True
+    better = (c_rank > v_rank) if admit in ("ranked", "value") else True
     ok = jnp.isfinite(c_rank) & ((j < 0) | (has_victim & better))
     n_p = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)  # the leading run that qualifies
     n_d = jnp.maximum(n_p - room, 0)
@@ -227,6 +264,7 @@ class Static(PolicyBase):
     """Fill HBM in write order, spill the rest to host, never migrate."""
 
     name: str = "static"
+    plans = False
 
     def plan(self, state, obs: Observation, env: CostModel | None = None):
         return state, obs.in_hbm & obs.valid
@@ -260,13 +298,52 @@ class Follow:
     promotes the host blocks the step reads that `admit` takes (the read carries the block over
     the link: the HBM write is the only extra cost) and demotes, only to make room, the resident
     blocks the target leaves out, least expected first. What runs on a layer's critical path is
-    that vector rule alone. Online forecasts only."""
+    that vector rule alone. Online forecasts only. With admit="value" the rule reads no plan
+    (`Lrfu`, the live policy, is that rule with no plan at all; an anneal policy with it still
+    plans, and is charged for, a target the rule ignores)."""
 
     admit: str = FOLLOW_ADMITS_DEFAULT
 
     def __post_init__(self):
         if self.admit not in FOLLOW_ADMITS:
             raise ValueError(f"Follow admit must be one of {FOLLOW_ADMITS}, got {self.admit!r}")
+
+    def inputs(self, pstate, read_ema, reads, decay: float, layer=None):
+        """(target, priority, value) for `follow_moves` ([rows, N] each, or None): the plan's
+        target and expected reads (the policy's state `pstate`, [layers, N]; row `layer` as
+        [1, N] if given), or under admit="value" the blocks' values alone (`follow_value` of
+        `read_ema` and `reads`, [rows, N]; the plan is not read)."""
+        if self.admit == "value":
+            return None, None, follow_value(read_ema, reads, decay)
+        if layer is None:
+            return pstate.target, pstate.priority, None
+        return pstate.target[layer][None], pstate.priority[layer][None], None
+
+
+@dataclasses.dataclass(frozen=True)
+class Lrfu(PolicyBase):
+    """LRFU inside the decode step, the live policy: no plan, no forecast beyond the blocks'
+    decayed read frequency. At every step, per layer, `follow_moves` with admit="value"
+    promotes a host block the step reads (from the copy the read fetched: an HBM write, no
+    second link read) into a free slot, or over the least valuable resident block, read at
+    this step or not, when its value (`follow_value`: `Stats.read_ema` with the step's reads
+    folded in) is strictly higher. Under exact attention every block is read every step, all
+    values tie and nothing moves. Measured against LRU, the annealer's plans and the bounds:
+    bench/RESULTS.md section 5."""
+
+    name: str = "lrfu"
+    follow: Follow = Follow("value")
+    plans = False
+
+    def __post_init__(self):
+        if not isinstance(self.follow, Follow) or self.follow.admit != "value":
+            raise ValueError(f"Lrfu follow must be Follow('value'), got {self.follow!r}")
+
+    def plan(self, state, obs: Observation, env: CostModel | None = None):
+        return state, obs.in_hbm & obs.valid
+
+    def next_window(self, state) -> jax.Array:
+        return jnp.int32(NEVER)
 
 
 @pytree_dataclass

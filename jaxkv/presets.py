@@ -3,6 +3,7 @@ simulator and the command line.
 
 A name is a base with optional modifiers, e.g. "anneal+reuse+follow":
   static, lru (reactive)     online; `jaxkv.policies.Static`, `Reactive`
+  lrfu                       online, the live policy; `jaxkv.policies.Lrfu` (a per-step rule)
   anneal                     online; `jaxkv.policies.Anneal` with the EMA forecast
   page, paper-sa, paper-sa[W,R], anneal-oracle, unlimited
                              oracles and the bound: simulator only (`jaxkv.sim.oracles`)
@@ -27,7 +28,7 @@ from typing import Any
 from jaxkv.config import AnnealConfig, check_number
 from jaxkv.cost import CostModel
 from jaxkv.forecasts import EMA, Now, Reuse
-from jaxkv.policies import Anneal, Follow, Policy, Reactive, Static
+from jaxkv.policies import Anneal, Follow, Lrfu, Policy, Reactive, Static
 from jaxkv.pricing import AdaptiveWindow, Compensate, LinkReserve, Ride, Spread, Unforeseen
 
 # `+now`'s lookahead W (3 beat 10) and the `+now` / `+follow` presets' `Spread` (1.5 against 1.0
@@ -49,6 +50,9 @@ BASES: dict[str, Base] = {
     "static": Base(True, (), "fill HBM in write order, never migrate"),
     "lru": Base(True, (), "promote on read, evict the least recently used"),
     "reactive": Base(True, (), "the same as lru"),
+    "lrfu": Base(
+        True, (), "inside each step, promote a read block over a less often read one (live)"
+    ),
     "anneal": Base(
         True, ("aw", "ec", "reuse", "now", "follow"), "simulated annealing, online forecast"
     ),
@@ -314,6 +318,8 @@ def resolve(name: str, env: CostModel, settings: Settings = Settings(), **overri
         return Static()
     if base in ("lru", "reactive"):
         return Reactive()
+    if base == "lrfu":
+        return Lrfu()
     if base in ("page", "paper-sa", "unlimited"):
         oracles = importlib.import_module("jaxkv.sim.oracles")  # research code, on demand
         if base == "page":

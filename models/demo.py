@@ -49,7 +49,7 @@ from models.generate import (
 )
 from models.record import check_writable
 
-DEFAULT_POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow")
+DEFAULT_POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow", "lrfu")
 OWN_WINDOWS = {"lru": 1}  # LRU's best W here (at W 16: 25% fewer tok/s; RESULTS section 5)
 DEFAULT_MODEL = "smollm2"
 DEFAULT_PROMPT_LEN, DEFAULT_NEW_TOKENS = 2048, 64  # `make demo` within minutes on 2 cores
@@ -309,7 +309,7 @@ def _run_part(
         plan_s = dec.plan_seconds(params, state)
         summary = summarize(state, plan_seconds=plan_s, step_seconds=wall / n if n else None)
         summary["wall_tokens_per_s"] = n / wall if wall > 0 and n else float("nan")
-        summary["window"] = w if policy not in ("static",) and name != "all-hbm" else None
+        summary["window"] = w if dec.policy.plans and name != "all-hbm" else None
         summary["hbm_blocks"] = cfg.hbm_slots
         summary["total_blocks"] = cfg.total_blocks
         results[name] = summary

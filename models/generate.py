@@ -23,7 +23,7 @@ from models.hf import (
     special_token,
 )
 
-LIVE_EXAMPLE = "anneal+reuse+follow"  # the decode loop's best live policy
+LIVE_POLICY = "lrfu"  # the decode loop's best live policy (bench/RESULTS.md section 5)
 DEFAULT_HBM_FRACTION = 0.25  # a tiered cache's HBM when no capacity is given
 HBM_KEYWORDS = ("hbm_fraction", "hbm_blocks", "hbm_bytes")  # CacheConfig's, one of them
 
@@ -72,11 +72,11 @@ def check_live_policy(name: str, label: str = "policy") -> None:
     run policy `name`: no oracle, no bound, no +now; the message lists what it can run."""
     live = (
         f"expected an online policy: one of {live_policies()}, anneal also with +reuse, "
-        f"+follow, +aw, +ec (e.g. {LIVE_EXAMPLE!r})"
+        f"+follow, +aw, +ec (the live policy: {LIVE_POLICY!r})"
     )
     base, *mods = str(name).split("+")
     if "now" in mods:
-        use = name.replace("+now", "+follow") if base == "anneal" else LIVE_EXAMPLE
+        use = name.replace("+now", "+follow") if base == "anneal" else LIVE_POLICY
         raise ValueError(
             f"{label}={name!r}: +now plans with the step's own read set, which the decode loop "
             "does not have (it plans between steps); +follow plans a target between steps and "
@@ -222,7 +222,7 @@ def generate_text(
     hbm_fraction: float | None = None,
     hbm_blocks: int | None = None,
     hbm_bytes: float | None = None,
-    policy: str = "lru",
+    policy: str = LIVE_POLICY,
     fp8: str = "off",
     fp8_age: int = 0,
     seed: int = 0,
@@ -398,7 +398,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     add_hbm_options(p)
-    p.add_argument("--policy", default="lru")
+    p.add_argument("--policy", default=LIVE_POLICY)
     p.add_argument(
         "--fp8",
         default="off",

@@ -217,7 +217,7 @@ def test_generate_unlimited_suggests_only_live_policies(capsys, no_work):
     """It suggested 'anneal-oracle', which the decode loop rejects in turn."""
     line = error(capsys, ["generate", "--prompt", "x", "--policy", "unlimited"])
     assert "--policy='unlimited': the Unlimited-HBM bound, not a placement" in line
-    assert "one of ['static', 'lru', 'reactive', 'anneal']" in line
+    assert "one of ['static', 'lru', 'reactive', 'lrfu', 'anneal']" in line
     assert "oracle" not in line.split("not a placement")[1]
 
 
@@ -230,7 +230,7 @@ def test_generate_plus_now_points_to_follow(capsys, no_work):
     """`lru+now` explained +aw / +ec; +now is not in the decode loop, +follow is."""
     line = error(capsys, ["generate", "--prompt", "x", "--policy", "lru+now"])
     assert "--policy='lru+now': +now plans with the step's own read set" in line
-    assert "use e.g. 'anneal+reuse+follow'" in line
+    assert "use e.g. 'lrfu'" in line
     line = error(capsys, ["generate", "--prompt", "x", "--policy", "anneal+now"])
     assert "use e.g. 'anneal+follow'" in line
 

@@ -76,6 +76,8 @@ WT, EX = "write-through", "exclusive"
         ("anneal", dict(hbm_fraction=0.25), 8, 4, EX),
         ("anneal+reuse+follow", dict(hbm_fraction=0.25), 8, 4, WT),
         ("anneal+reuse+follow", dict(hbm_fraction=0.25), 8, 4, EX),
+        ("lrfu", dict(hbm_fraction=0.25), 8, 4, WT),
+        ("lrfu", dict(hbm_fraction=0.25), 5, 4, EX),
     ],
 )
 def test_any_placement_gives_all_hbm_tokens(

@@ -324,7 +324,7 @@ def test_gh200_spec_compiles():
 
 LAYERS = 2
 CONTEXTS = (256, 1024)
-POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow")
+POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow", "lrfu")
 MODES = ("exact", "sparse")
 
 

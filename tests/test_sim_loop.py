@@ -53,8 +53,10 @@ def static_wt(tiny):
         ("static", WT),
         ("lru", WT),
         pytest.param("lru", EX, marks=pytest.mark.slow),
-        ("anneal+reuse+follow", WT),
+        ("lrfu", WT),
         # the default suite holds the live policy's write-through case; these run in make test-slow
+        pytest.param("lrfu", EX, marks=pytest.mark.slow),
+        pytest.param("anneal+reuse+follow", WT, marks=pytest.mark.slow),
         pytest.param("anneal+reuse+follow", EX, marks=pytest.mark.slow),
         pytest.param("anneal", EX, marks=pytest.mark.slow),
     ],
@@ -88,7 +90,7 @@ def test_bounds_hold_for_every_policy(tiny, static_wt):
     b = loop.bounds(loop.LoopSetup.of(dec), rec)
     assert b["unlimited"] <= b["capacity"] <= b["best"] and b["unlimited"] <= b["cache"]
     assert b["cache"] <= b["best"]
-    for policy in ("static", "lru"):
+    for policy in ("static", "lru", "lrfu"):
         setup = loop.LoopSetup.of(_decoder(tiny[0], policy, WT))
         seconds = loop.replay(setup, rec).summary()["modeled_seconds"]
         assert b["best"] <= seconds * (1 + 1e-6), policy

@@ -6,6 +6,7 @@ import json
 
 from jaxkv import cost
 from jaxkv.config import AnnealConfig, HardwareProfile, check_number
+from jaxkv.policies import FOLLOW_ADMITS
 from jaxkv.presets import NOW_SPREAD, NOW_WINDOW, split_policies
 from jaxkv.quant import FP8_MODES
 from jaxkv.sim import sizing
@@ -206,11 +207,12 @@ def add_simulation_args(p, *, geometry: str | None = "llama3-8b", chunk: int = 1
     )
     p.add_argument(
         "--follow-admit",
-        choices=("read", "ranked", "target"),
+        choices=FOLLOW_ADMITS,
         default=None,
         help="anneal+follow: which host blocks a step reads its rule may promote "
         "(jaxkv.policies.follow_moves): every one (read), one that outranks its victim "
-        "(ranked), or the target's only (target); default: the preset's (jaxkv.policies.Follow)",
+        "(ranked), the target's only (target), or one read more often than its victim, the "
+        "plan unused (value, lrfu's rule); default: the preset's (jaxkv.policies.Follow)",
     )
     p.add_argument(
         "--ride",

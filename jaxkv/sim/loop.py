@@ -291,16 +291,20 @@ def _step(setup: LoopSetup, carry, xs, future=None):
     if policy.follow is not None:
         K = max(0, min(setup.placement.max_moves, N))
         flat = in_hbm.reshape(L, N)
-        ps = pl.policy
+        flat_read = read.reshape(L, N)
+        target, priority, value = policy.follow.inputs(
+            pl.policy, stats.read_ema, flat_read, stats.decay
+        )
         pro, n_p, dem, n_d = follow_moves(
             flat,
             sealed.reshape(L, N),
-            read.reshape(L, N),
-            ps.target,
-            ps.priority,
+            flat_read,
+            target,
+            priority,
             n_free(in_hbm, lengths),
             K,
             admit=policy.follow.admit,
+            value=value,
         )
         after = (flat & ~moves_mask(dem, n_d, N)) | moves_mask(pro, n_p, N)
         promoted = jnp.sum(after & ~flat, -1).astype(jnp.int32)

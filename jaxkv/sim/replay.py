@@ -173,11 +173,12 @@ def _step(k: _Chunk, st: SimState, c):
         (in_hbm, st.stats, st.pstate),
     )
     r = k.reads_buf[c]  # [L, N]
+    read_from = in_hbm  # what this step reads from HBM (the follow rule's victims included)
     if policy.follow is not None:
         in_hbm, now, mig_h, mig_l, moved = _follow(
-            k, r, valid, in_hbm, pstate, now, mig_h, mig_l, moved
+            k, r, valid, in_hbm, stats, pstate, now, mig_h, mig_l, moved
         )
-    lat, n_hbm, n_all = _latency(s, t, r, in_hbm, now, mig_h, mig_l)
+    lat, n_hbm, n_all = _latency(s, t, r, read_from, now, mig_h, mig_l)
     stats = imp.update_stats(stats, r, k.mass[c], t, valid)
     return SimState(
         in_hbm,
@@ -255,17 +256,21 @@ def _skip(k: _Chunk, next_plan, args):
     return in_hbm, stats, pstate, zl, zl, k.zero, next_plan, 0, jnp.zeros_like(in_hbm)
 
 
-def _follow(k: _Chunk, r, valid, in_hbm, pstate, now, mig_h, mig_l, moved):
+def _follow(k: _Chunk, r, valid, in_hbm, stats, pstate, now, mig_h, mig_l, moved):
     """A `follow` policy's rule at every step: promote the blocks this step reads from host that
     the admit rule takes (the read carries them over the link: an HBM write each, and the read
-    is a host read), demoting unread blocks, lowest (in target, expected) first, only to make
-    room -> (in_hbm, now, mig_h, mig_l, moved) with the rule's moves added."""
+    is a host read), demoting, only to make room, the victims the rule picks (unread blocks,
+    lowest (in target, expected) first; under admit="value" the least valuable resident blocks,
+    whose reads at this step were HBM reads) -> (in_hbm, now, mig_h, mig_l, moved) with the
+    rule's moves added."""
     s, policy = k.setup, k.policy
     N, b = s.num_blocks, s.block_bytes
     budget = policy.budget if policy.budget is not None else N
     room = s.capacity - jnp.sum(in_hbm, axis=-1)
+    fol = policy.follow
+    target, priority, value = fol.inputs(pstate, stats.read_ema, r, stats.decay)
     pro_i, n_p, dem_i, n_d = follow_moves(
-        in_hbm, valid, r, pstate.target, pstate.priority, room, budget, policy.follow.admit
+        in_hbm, valid, r, target, priority, room, budget, fol.admit, value
     )
     pro, dem = moves_mask(pro_i, n_p, N), moves_mask(dem_i, n_d, N)
     in_hbm = (in_hbm | pro) & ~dem

@@ -81,14 +81,17 @@ def time_rule(policy, state: SimState, setup: Setup, reads_buf, t, repeats: int 
     budget = policy.budget if policy.budget is not None else setup.num_blocks
     n = setup.num_blocks
 
-    def rule(in_hbm, reads, target, priority):
+    fol, decay = policy.follow, state.stats.decay
+
+    def rule(in_hbm, reads, pstate, read_ema):
         room = setup.capacity - jnp.sum(in_hbm, axis=-1)
+        target, priority, value = fol.inputs(pstate, read_ema, reads, decay)
         p, n_p, d, n_d = follow_moves(
-            in_hbm, valid, reads, target, priority, room, budget, policy.follow.admit
+            in_hbm, valid, reads, target, priority, room, budget, fol.admit, value
         )
         return (in_hbm | moves_mask(p, n_p, n)) & ~moves_mask(d, n_d, n)
 
-    args = (state.in_hbm, reads_buf[0], state.pstate.target, state.pstate.priority)
+    args = (state.in_hbm, reads_buf[0], state.pstate, state.stats.read_ema)
     return _best(jax.jit(rule), args, repeats)
 
 

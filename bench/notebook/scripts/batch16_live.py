@@ -37,7 +37,14 @@ MODULES = (
     "email/message", "http/client",
 )  # fmt: skip
 PROMPT = 2048
-POLICIES = (("static", 1), ("lru", 1), ("lru", 16), ("anneal", 16), ("anneal+reuse+follow", 16))
+POLICIES = (
+    ("static", 1),
+    ("lru", 1),
+    ("lru", 16),
+    ("anneal", 16),
+    ("anneal+reuse+follow", 16),
+    ("lrfu", 16),
+)
 
 
 def prompts(tok) -> np.ndarray:
