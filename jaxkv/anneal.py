@@ -124,6 +124,64 @@ class AnnealResult:
         return self.metrics.energy
 
 
+@pytree_dataclass
+class LayerProblem:
+    """One layer's window as its chains see it (`_chain_step`, `_scale`): the per-block deltas
+    of a move and the per-step figures. Under the vmap over layers every field but `fixed` and
+    `weight` (the same for every layer) carries the layer axis (`_layer_axes`)."""
+
+    dh: jax.Array  # [W, N] float32: HBM-side load change per step of promoting each block
+    dl: jax.Array  # [W, N] float32: link-side load change
+    dv: jax.Array  # [N] float32: terminal-value change
+    dm: jax.Array  # [N] int32: change of the move count against x0
+    valid: jax.Array  # [N] bool: placeable blocks
+    fixed: jax.Array  # [W] float32: the HBM bytes of each step besides the KV (shared)
+    weight: jax.Array  # [W] float32: each step's weight in the energy (shared)
+    spread: jax.Array | None  # [W] float32 seconds, or None
+
+
+@pytree_dataclass
+class Chain:
+    """One chain's assignment and its running loads (`AnnealState` without the layer and chain
+    axes, less the bookkeeping `_step` keeps around it)."""
+
+    x: jax.Array  # [N] bool
+    count: jax.Array  # [] int32: blocks in HBM
+    moved: jax.Array  # [] int32: blocks differing from x0
+    hbm: jax.Array  # [W] float32
+    link: jax.Array  # [W] float32
+    miss: jax.Array  # [] float32 seconds
+    key: jax.Array  # [2] uint32
+
+
+def _layer_axes(spread) -> LayerProblem:
+    """`LayerProblem`'s vmap axes over layers: 0 for every field but the shared ones."""
+    sp = None if spread is None else 0
+    return LayerProblem(dh=0, dl=0, dv=0, dm=0, valid=0, fixed=None, weight=None, spread=sp)
+
+
+def _layer_problem(problem: AnnealProblem, deltas: BlockDeltas) -> LayerProblem:
+    """Every layer's `LayerProblem`, stacked ([layers, ...] but fixed and weight)."""
+    return LayerProblem(
+        dh=deltas.dh,
+        dl=deltas.dl,
+        dv=deltas.dv,
+        dm=deltas.dm,
+        valid=problem.valid,
+        fixed=problem.fixed,
+        weight=problem.weight,
+        spread=spread_of(problem, 2),
+    )
+
+
+def _hood(lp: LayerProblem, x, hbm, link, *, profile, k, split):
+    """`neighbourhood` of assignment x [N] with loads hbm, link [W] in one layer."""
+    return neighbourhood(
+        lp.dh, lp.dl, lp.dv, lp.dm, lp.valid & ~x, x, hbm, link, lp.fixed, lp.weight, lp.spread,
+        k=k, profile=profile, split=split,
+    )  # fmt: skip
+
+
 def temperature(state: AnnealState, config: AnnealConfig) -> jax.Array:
     """[layers] float32: T0 cooled geometrically to t_final x T0 at max_iters."""
     frac = state.it.astype(jnp.float32) / config.max_iters
@@ -199,24 +257,12 @@ def _scale(problem, deltas: BlockDeltas, x, hbm, link, moved, e, config: AnnealC
     and budget kept): T0 the `t0_quantile` quantile of their energy rises, tol `tolerance` x
     their median |dE|. Changes below float32's resolution of the energy (1e-6 x |E|) count as
     none; without any move above it both fall back to that resolution."""
+    lp = _layer_problem(problem, deltas)
     hood = jax.vmap(
-        functools.partial(neighbourhood, profile=problem.profile, **_hood_size(problem, config)),
-        in_axes=(0,) * 8 + (None, None, 0),
+        functools.partial(_hood, profile=problem.profile, **_hood_size(problem, config)),
+        in_axes=(_layer_axes(lp.spread), 0, 0, 0),
     )
-    sp = spread_of(problem, 2)
-    de, enter, leave, ok = hood(
-        deltas.dh,
-        deltas.dl,
-        deltas.dv,
-        deltas.dm,
-        problem.valid & ~x,
-        x,
-        hbm,
-        link,
-        problem.fixed,
-        problem.weight,
-        sp,
-    )
+    de, enter, leave, ok = hood(lp, x, hbm, link)
     feasible = functools.partial(move_feasible, cap=problem.capacity, budget=problem.budget)
     fits = jax.vmap(feasible)(enter, leave, deltas.dm, jnp.sum(x, -1), moved)
     floor = 1e-6 * jnp.abs(e)  # [L]
@@ -235,40 +281,15 @@ def _hood_size(problem: AnnealProblem, config: AnnealConfig) -> dict:
 
 
 def _chain_step(
-    dh,
-    dl,
-    dv,
-    dm,
-    valid,
-    fixed,
-    weight,
-    spread,
-    x,
-    count,
-    moved,
-    hbm,
-    link,
-    miss,
-    key,
-    temp,
-    tol,
-    run,
-    *,
-    profile,
-    cap,
-    budget,
-    k,
-    split,
-):
-    """One move (or none) of one chain. dh, dl: [W, N]; dv, dm, valid, x: [N]; fixed, weight:
-    [W]; spread: [W] or None; hbm, link: [W]; count, moved, miss, temp, tol: []; run: [] bool
+    lp: LayerProblem, ch: Chain, temp, tol, run, *, profile, cap, budget, k, split
+) -> tuple[Chain, jax.Array, jax.Array]:
+    """One move (or none) of one chain of one layer: (the chain after, its energy [], whether
+    it moved [] bool). temp, tol: [] the layer's temperature and stop tolerance; run: [] bool
     (False: the chain has stopped and stays)."""
-    k_pick, k_next = jax.random.split(jax.random.wrap_key_data(key))
-    de, enter, leave, ok = neighbourhood(
-        dh, dl, dv, dm, valid & ~x, x, hbm, link, fixed, weight, spread,
-        k=k, profile=profile, split=split,
-    )  # fmt: skip
-    ok = ok & move_feasible(enter, leave, dm, count, moved, cap=cap, budget=budget)
+    k_pick, k_next = jax.random.split(jax.random.wrap_key_data(ch.key))
+    de, enter, leave, ok = _hood(lp, ch.x, ch.hbm, ch.link, profile=profile, k=k, split=split)
+    dm = lp.dm
+    ok = ok & move_feasible(enter, leave, dm, ch.count, ch.moved, cap=cap, budget=budget)
     # staying costs 0, a move its energy change plus tol (a gain below tol is no gain)
     cost = jnp.concatenate([jnp.zeros((1,), de.dtype), jnp.where(ok, de + tol, jnp.inf)])
     logits = -cost / jnp.maximum(temp, 1e-30) + jax.random.gumbel(k_pick, cost.shape)
@@ -278,16 +299,17 @@ def _chain_step(
     j, i = enter[m], leave[m]
     has_j, has_i = moving & (j >= 0), moving & (i >= 0)
     j, i = jnp.maximum(j, 0), jnp.maximum(i, 0)
-    x = x.at[i].set(jnp.where(has_i, False, x[i]))
+    x = ch.x.at[i].set(jnp.where(has_i, False, ch.x[i]))
     x = x.at[j].set(jnp.where(has_j, True, x[j]))
     sj, si = has_j.astype(jnp.float32), has_i.astype(jnp.float32)
-    hbm = hbm + sj * dh[:, j] - si * dh[:, i]
-    link = link + sj * dl[:, j] - si * dl[:, i]
-    miss = miss + sj * dv[j] - si * dv[i]
-    count = count + has_j.astype(jnp.int32) - has_i.astype(jnp.int32)
-    moved = moved + jnp.where(has_j, dm[j], 0) - jnp.where(has_i, dm[i], 0)
-    e = energy_of_loads(hbm, link, fixed, weight, profile, spread) + miss
-    return x, count, moved, hbm, link, miss, e, jax.random.key_data(k_next), moving
+    hbm = ch.hbm + sj * lp.dh[:, j] - si * lp.dh[:, i]
+    link = ch.link + sj * lp.dl[:, j] - si * lp.dl[:, i]
+    miss = ch.miss + sj * lp.dv[j] - si * lp.dv[i]
+    count = ch.count + has_j.astype(jnp.int32) - has_i.astype(jnp.int32)
+    moved = ch.moved + jnp.where(has_j, dm[j], 0) - jnp.where(has_i, dm[i], 0)
+    e = energy_of_loads(hbm, link, lp.fixed, lp.weight, profile, lp.spread) + miss
+    key = jax.random.key_data(k_next)
+    return Chain(x, count, moved, hbm, link, miss, key), e, moving
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -297,7 +319,6 @@ def step(problem: AnnealProblem, state: AnnealState, config: AnnealConfig = Anne
 
 
 def _step(problem: AnnealProblem, deltas: BlockDeltas, state: AnnealState, config):
-    has_spread = problem.spread is not None
     chain = functools.partial(
         _chain_step,
         profile=problem.profile,
@@ -305,33 +326,24 @@ def _step(problem: AnnealProblem, deltas: BlockDeltas, state: AnnealState, confi
         budget=problem.budget,
         **_hood_size(problem, config),
     )
-    # per layer: dh, dl, dv, dm, valid, (fixed, weight shared), spread; per chain: the rest
-    per_layer = (0,) * 5 + (None, None, 0 if has_spread else None)
-    over_chains = jax.vmap(chain, in_axes=(None,) * 8 + (0,) * 7 + (None, None, 0))
-    over_layers = jax.vmap(over_chains, in_axes=per_layer + (0,) * 10)
-    sp = spread_of(problem, 2) if has_spread else None
+    lp = _layer_problem(problem, deltas)
+    # (problem, chain, temp, tol, run): one vmap over a layer's chains, one over the layers
+    over_chains = jax.vmap(chain, in_axes=(None, 0, None, None, 0))
+    over_layers = jax.vmap(over_chains, in_axes=(_layer_axes(lp.spread), 0, 0, 0, 0))
     run = active(state, config)
-    out = over_layers(
-        deltas.dh,
-        deltas.dl,
-        deltas.dv,
-        deltas.dm,
-        problem.valid,
-        problem.fixed,
-        problem.weight,
-        sp,
-        state.x,
-        state.count,
-        state.moved,
-        state.hbm,
-        state.link,
-        state.miss,
-        state.key,
-        temperature(state, config),
-        state.tol,
-        run,
+    chains = Chain(
+        x=state.x,
+        count=state.count,
+        moved=state.moved,
+        hbm=state.hbm,
+        link=state.link,
+        miss=state.miss,
+        key=state.key,
     )
-    x, count, moved, hbm, link, miss, e, key, moving = out
+    ch, e, moving = over_layers(lp, chains, temperature(state, config), state.tol, run)
+    x, count, moved, hbm, link, miss, key = (
+        ch.x, ch.count, ch.moved, ch.hbm, ch.link, ch.miss, ch.key
+    )  # fmt: skip
     better = e < state.best_energy
     best_e = jnp.minimum(e, state.best_energy)
     gain = best_e < state.ref_energy - state.tol[:, None]
