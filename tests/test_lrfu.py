@@ -111,12 +111,12 @@ def test_lrfu_in_the_decode_loop(tiny):
     runs = {}
     for name in ("static", "lru", "lrfu"):
         p = PlacementConfig(policy=name, window=3, attention="sparse", topk=3, max_moves=4)
-        dec = Decoder(model, cfg, p, max_new_tokens=24, profile=slow)
+        dec = Decoder(model, cfg, p, max_new_tokens=16, profile=slow)
         state = dec.prefill(params, prompts, (45, 30))
         if name == "lrfu":
             assert dec.follows and dec.plan_seconds(params, state) == 0.0
             L, N = cfg.num_layers, cfg.batch * cfg.max_blocks
-            for _ in range(23):
+            for _ in range(15):
                 before = np.asarray(state.cache.in_hbm).reshape(L, N)
                 free = np.asarray(state.cache.hbm_free).sum(1)
                 t = int(state.step)
