@@ -25,6 +25,7 @@ import numpy as np
 from _progress import tqdm  # tqdm, or a stand-in where it is missing
 
 from jaxkv.cost import GEOMETRIES
+from jaxkv.policies import plans
 from jaxkv.sim import loop, loop_trace
 from jaxkv.sim import trace as tr
 
@@ -93,7 +94,7 @@ def run_case(trace, case: str, args) -> dict:
             migrated_blocks=sm["migrated_blocks"],
             plans=r.plans,
             replay_s=time.perf_counter() - t0,
-            plan_ms=1e3 * plan_seconds(s, rec) if r.plans and s.policy.plans else 0.0,
+            plan_ms=1e3 * plan_seconds(s, rec) if r.plans and plans(s.policy) else 0.0,
         )
     base = min(rows[p]["modeled_ms"] for p in ("static", "lru") if p in rows)
     best = 1e3 * b["best"]

@@ -341,21 +341,18 @@ def _step(problem: AnnealProblem, deltas: BlockDeltas, state: AnnealState, confi
         key=state.key,
     )
     ch, e, moving = over_layers(lp, chains, temperature(state, config), state.tol, run)
-    x, count, moved, hbm, link, miss, key = (
-        ch.x, ch.count, ch.moved, ch.hbm, ch.link, ch.miss, ch.key
-    )  # fmt: skip
     better = e < state.best_energy
     best_e = jnp.minimum(e, state.best_energy)
     gain = best_e < state.ref_energy - state.tol[:, None]
     return AnnealState(
-        x=x,
-        count=count,
-        moved=moved,
-        hbm=hbm,
-        link=link,
-        miss=miss,
+        x=ch.x,
+        count=ch.count,
+        moved=ch.moved,
+        hbm=ch.hbm,
+        link=ch.link,
+        miss=ch.miss,
         energy=e,
-        best_x=jnp.where(better[..., None], x, state.best_x),
+        best_x=jnp.where(better[..., None], ch.x, state.best_x),
         best_energy=best_e,
         ref_energy=jnp.where(gain, best_e, state.ref_energy),
         stall=jnp.where(run, jnp.where(gain, 0, state.stall + 1), state.stall),
@@ -364,7 +361,7 @@ def _step(problem: AnnealProblem, deltas: BlockDeltas, state: AnnealState, confi
         tol=state.tol,
         start_energy=state.start_energy,
         certified=state.certified,
-        key=key,
+        key=ch.key,
         it=state.it + 1,
     )
 

@@ -85,6 +85,7 @@ from jaxkv.decode_state import (
     summarize,
 )
 from jaxkv.model_api import bind, check_model
+from jaxkv.policies import plans
 from jaxkv.sampling import Greedy, Sampling, eos_ids, is_eos
 
 __all__ = [
@@ -356,9 +357,7 @@ class Decoder:
         self._check_state(state, "Decoder.plan_seconds")
         if not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-        if not getattr(self.policy, "plans", True):
-            return 0.0
-        return best_seconds(self._plan, state, repeats)
+        return best_seconds(self._plan, state, repeats) if plans(self.policy) else 0.0
 
     def _check_state(self, state, where: str) -> None:
         """ValueError unless `state` is a live state of this Decoder (`check_state`)."""

@@ -139,11 +139,12 @@ def fold_reads(last_read, read_ema, streak, reads, step, decay: float = READ_DEC
     if streak is not None:
         ran = read_last_step(last_read, step)
         streak = jnp.where(reads, jnp.where(ran, streak + 1, 1), streak)
-    return (
-        jnp.where(reads, step, last_read),
-        decay * read_ema + (1.0 - decay) * reads,
-        streak,
-    )
+    return jnp.where(reads, step, last_read), ema_after(read_ema, reads, decay), streak
+
+
+def ema_after(read_ema, reads, decay: float = READ_DECAY):
+    """[layers, N] float32: `read_ema` with one step's reads [layers, N] bool folded in."""
+    return decay * read_ema + (1.0 - decay) * reads
 
 
 def _states(streak) -> int:

@@ -137,6 +137,11 @@ class PolicyBase:
         return jnp.int32(getattr(self, "window", 1))
 
 
+def plans(policy) -> bool:
+    """Whether `policy`'s plan can change the placement (`Policy.plans`; True when absent)."""
+    return getattr(policy, "plans", True)
+
+
 def top_capacity(score: jax.Array, valid: jax.Array, capacity: int) -> jax.Array:
     """Marks the `capacity` highest-scoring valid blocks of each layer (vectorized, no loop).
 
@@ -166,7 +171,7 @@ def follow_value(read_ema, reads, decay: float = imp.READ_DECAY):
     + (1 - decay) x read (the order of LRFU's combined recency and frequency, 2^-lambda =
     decay). Mixing in the window plan's expected reads was measured and gains nothing
     (bench/notebook/2026-12-06-lrfu.md)."""
-    return decay * read_ema.astype(jnp.float32) + (1.0 - decay) * reads.astype(jnp.float32)
+    return imp.ema_after(read_ema, reads, decay)
 
 
 def follow_moves(

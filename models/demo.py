@@ -309,7 +309,7 @@ def _run_part(
         plan_s = dec.plan_seconds(params, state)
         summary = summarize(state, plan_seconds=plan_s, step_seconds=wall / n if n else None)
         summary["wall_tokens_per_s"] = n / wall if wall > 0 and n else float("nan")
-        summary["window"] = w if dec.policy.plans and name != "all-hbm" else None
+        summary["window"] = w if plan_s > 0 else None  # 0.0: a policy that never plans
         summary["hbm_blocks"] = cfg.hbm_slots
         summary["total_blocks"] = cfg.total_blocks
         results[name] = summary
