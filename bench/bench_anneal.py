@@ -12,8 +12,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxkv import anneal, cost
+from jaxkv import cost
 from jaxkv.config import AnnealConfig, HardwareProfile
+from jaxkv.placement import anneal
 from jaxkv.sim import trace as tr
 from jaxkv.sim.trace import read_mask
 

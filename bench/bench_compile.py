@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from _progress import tqdm  # tqdm, or a stand-in where it is missing
 from flax import nnx
 
+from jaxkv import Decoder
 from jaxkv.config import CacheConfig, PlacementConfig
-from jaxkv.decode import Decoder
 from models.llama import Llama, LlamaConfig
 
 CASES = (  # (name, HBM fraction, policy)

@@ -17,7 +17,7 @@ wall ms per step over `--steps` steps, one plan's wall ms (`Decoder.plan_seconds
 plan, all layers), the planning ms per step (a plan every W steps) and its share of the
 all-HBM step of the same mode measured in this run; the HBM hit rate; the modeled tokens/s
 under `--profile` (the measured bandwidths of this device with `--profile measured`) and the
-same with planning charged (`jaxkv.decode.summarize`: each modeled step lengthened by the share
+same with planning charged (`jaxkv.summarize`: each modeled step lengthened by the share
 of a step's wall time that planning adds here). On a GPU the bandwidths are measured in the
 same run (HBM copy, host -> device, device -> host) and each row reports its fraction of the
 two-tier bound (`bench_decode_bound.bounds`). Exact-mode tokens are compared with all-HBM's.
@@ -44,14 +44,14 @@ from _progress import tqdm  # tqdm, or a stand-in where it is missing
 from bench_decode_bound import bounds, prewarm_transfers, random_cache, step_weight_bytes
 from flax import nnx
 
-from jaxkv import presets
+from jaxkv import Decoder, summarize
 from jaxkv._pytree import replace
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.cost import ARCHITECTURES
-from jaxkv.decode import Decoder, summarize
+from jaxkv.placement import presets
 from jaxkv.sim import loop
-from jaxkv.transfer import on_gpu
 from models.llama import Llama, LlamaConfig
+from pallas_kernels.common import on_gpu
 
 SHAPES = {
     "8b": ARCHITECTURES["llama3-8b"].llama_fields(),  # the one table (jaxkv.cost)

@@ -45,14 +45,16 @@ import numpy as np
 from _progress import tqdm  # tqdm, or a stand-in where it is missing
 from flax import nnx
 
+from jaxkv import Decoder, summarize
 from jaxkv import cache as kvc
 from jaxkv._pytree import replace
+from jaxkv.cache.transfer import read_blocks, resolve_fetch, write_blocks
 from jaxkv.config import FETCH_OPTIONS, CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.cost import unlimited_step_time
-from jaxkv.decode import Decoder, model_weight_bytes, summarize
-from jaxkv.transfer import on_gpu, read_blocks, resolve_fetch, write_blocks
+from jaxkv.decode.setup import model_weight_bytes
 from models.llama import Llama, LlamaConfig
 from models.tiny import tiny_model
+from pallas_kernels.common import on_gpu
 
 TARGET_RATIO = 0.50  # of the two-tier bound, HBM 25% exact static at 32k
 QUICK = dict(model="tiny", context=2048, steps=8, window=4)  # the CPU smoke defaults

@@ -1,4 +1,4 @@
-"""The LP lower bound (jaxkv.sim.lp_bound) against the simulator's bounds and best policies.
+"""The LP lower bound (jaxkv.sim.lp.bound) against the simulator's bounds and best policies.
 
     .venv/bin/python bench/bench_lp_bound.py                 # 4 layers, 512 steps, 952 blocks
     .venv/bin/python bench/bench_lp_bound.py --layers 1 --steps 128 --sparsities 0.6
@@ -6,7 +6,7 @@
     .venv/bin/python bench/bench_lp_bound.py --solver highs --lp-window 128
 
 For every trace and sparsity it runs `jaxkv.sim.simulate.simulate` (anneal-oracle, paper-sa,
-unlimited by default) and `jaxkv.sim.lp_bound.lp_bound_seconds` on the same instance and prints a
+unlimited by default) and `jaxkv.sim.lp.bound.lp_bound_seconds` on the same instance and prints a
 markdown table of latency / Unlimited: bound@cache (Belady's fewest link crossings), the LP bound
 (which counts promotions' HBM writes), and the policies.
 """
@@ -22,8 +22,8 @@ import time
 import jax
 
 from jaxkv import cost
-from jaxkv.quant import fp8_block_bytes
-from jaxkv.sim import lp_bound as lpb
+from jaxkv.cache.quant import fp8_block_bytes
+from jaxkv.sim import lp as lpb
 from jaxkv.sim import simulate as sim
 from jaxkv.sim import sizing
 from jaxkv.sim import trace as tr
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     )
     print(
         "# columns after 'unlimited s': latency / Unlimited; bound@cache: jaxkv.sim.bounds; LP "
-        "bound: jaxkv.sim.lp_bound (* = a window LP not solved)"
+        "bound: jaxkv.sim.lp.bound (* = a window LP not solved)"
     )
     print(
         "| trace | s | unlimited s | bound@cache | LP bound | "

@@ -1,9 +1,9 @@
-"""Decoding on a mesh of simulated devices (`jaxkv.sharded`) against one device.
+"""Decoding on a mesh of simulated devices (`jaxkv.decode.sharded`) against one device.
 
 Runs the tiny model (4 query / 2 KV heads) with batch 4 on one device and on a 4 x 2 ("data",
 "model") mesh of simulated CPU devices, with window staggering off and on, and prints per run:
 whether the tokens equal one device's, the modeled tokens/s (per step the slowest device's
-modeled time; `jaxkv.sharded.summarize`), the largest number of devices migrating in one
+modeled time; `jaxkv.decode.sharded.summarize`), the largest number of devices migrating in one
 step, and the wall time per step on this machine (simulated devices share its cores: a
 correctness run, not a speed figure).
 
@@ -33,9 +33,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxkv import sharded  # noqa: E402
+from jaxkv import (
+    Decoder,  # noqa: E402
+    summarize,  # noqa: E402
+)
 from jaxkv.config import CacheConfig, PlacementConfig  # noqa: E402
-from jaxkv.decode import Decoder, summarize  # noqa: E402
+from jaxkv.decode import sharded  # noqa: E402
 from models import tiny_model  # noqa: E402
 
 

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxkv import Decoder
 from jaxkv.config import CacheConfig, PlacementConfig
-from jaxkv.decode import Decoder
 from models.tiny import tiny_model
 
 CASES = (("static", "exact"), ("lru", "exact"), ("static", "sparse"), ("lru", "sparse"))

@@ -1,4 +1,4 @@
-"""GB/s of the bulk block transfers (`jaxkv.transfer`) against the DMA rate of the same run.
+"""GB/s of the bulk block transfers (`jaxkv.cache.transfer`) against the DMA rate of the same run.
 
 Moves N KV blocks (bf16, block_size 16, kv_heads 8, head_dim 128: 32 KiB a block) between a
 pinned_host pool [1, slots, 16, 8, 128] and the device, both directions:
@@ -40,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from _progress import tqdm  # tqdm, or a stand-in where it is missing
 
+from jaxkv.cache.transfer import read_blocks, write_blocks
 from jaxkv.config import HBM_KIND, HOST_KIND
-from jaxkv.transfer import on_gpu, read_blocks, write_blocks
+from pallas_kernels.common import on_gpu
 
 MECHANISMS = ("xla", "pallas")
 DIRECTIONS = ("h2d", "d2h")

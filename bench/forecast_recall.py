@@ -7,9 +7,9 @@ the sealed blocks) are "in HBM". Its recall is the share of the window's block r
 block pairs at sparsity s, the simulator's read rule) that land on those blocks. The oracle
 chooses the C blocks read most in the window: no forecaster of a fixed set does better.
 
-Forecasters: `ema` (jaxkv.forecasts.EMA), `reuse` (jaxkv.forecasts.Reuse, the re-read law
-learned online), `learned` (jaxkv.sim.learned's logistic model, trained on the windows of the
-OTHER traces given, or on the first half of the trace's windows when it is the only one, and
+Forecasters: `ema` (jaxkv.placement.forecasts.EMA), `reuse` (jaxkv.placement.forecasts.Reuse, the
+re-read law learned online), `learned` (jaxkv.sim.learned's logistic model, trained on the windows
+of the OTHER traces given, or on the first half of the trace's windows when it is the only one, and
 scored on the rest), `recent` (most recently read first: what LRU keeps), and the oracle.
 Figures are trace statistics: no cost model, no migration.
 
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import importance as imp
+from jaxkv.placement import statistics as imp
 from jaxkv.sim import learned as lrn
 from jaxkv.sim import trace as tr
 

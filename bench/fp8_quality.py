@@ -43,9 +43,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from _progress import tqdm  # noqa: E402
 
+from jaxkv import (
+    Decoder,  # noqa: E402
+    summarize,  # noqa: E402
+)
+from jaxkv.cache.quant import parse_policy  # noqa: E402
 from jaxkv.config import CacheConfig, PlacementConfig, check_number  # noqa: E402
-from jaxkv.decode import Decoder, summarize  # noqa: E402
-from jaxkv.quant import parse_policy  # noqa: E402
 
 
 def heldout_windows(tokenizer, vocab: int, batch: int, length: int, seed: int = 0) -> np.ndarray:

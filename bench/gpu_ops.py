@@ -5,17 +5,17 @@ ffn 14336, vocab 128256, bf16) and its decode state abstractly (nothing is alloc
 size: `nnx.eval_shape`, `jax.eval_shape`, host pools as pinned_host ShapeDtypeStructs), compiles
 the decode loop's jitted step for every (context, batch, attention mode, policy) case, plus
 `plan_moves` + `migrate`, `compact` and (with --prefill) the prefill of a cache of that shape,
-and prints what the optimized HLO executes per call (`jaxkv.gpu_compile.analyze`).
+and prints what the optimized HLO executes per call (`jaxkv.gpu.hlo.analyze`).
 
     JAX_PLATFORMS=cpu python bench/gpu_ops.py --layers 2 --contexts 8k --batches 1
     JAX_PLATFORMS=cpu python bench/gpu_ops.py --json --check ...   # exit 1 if a must-hold fails
 
 `read_overlap` is the fewest compute-stream operations the schedule runs while one of the
-step's host reads is in flight on its own stream (`jaxkv.gpu_compile.overlap`; blank where the
+step's host reads is in flight on its own stream (`jaxkv.gpu.hlo.overlap`; blank where the
 reads are not on a side stream).
 
 `program_ops` is the number of operations of the lowered program (StableHLO, before XLA's
-optimizations; `jaxkv.gpu_compile.program_ops`), `gpu_ops` what the optimized module executes.
+optimizations; `jaxkv.gpu.hlo.program_ops`), `gpu_ops` what the optimized module executes.
 
 The must-hold checks (--check): no while loop but the scan over layers of the step and the
 prefill (known trip count = layers; so 0 unknown_trip_loops), 0 host_syncs, the same lowered
@@ -40,12 +40,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from jaxkv import Decoder  # noqa: E402
 from jaxkv import cache as kvc  # noqa: E402
-from jaxkv import gpu_compile as gc  # noqa: E402
+from jaxkv.cache.quant import parse_policy  # noqa: E402
 from jaxkv.config import CacheConfig, PlacementConfig  # noqa: E402
 from jaxkv.cost import ARCHITECTURES  # noqa: E402
-from jaxkv.decode import Decoder  # noqa: E402
-from jaxkv.quant import parse_policy  # noqa: E402
+from jaxkv.gpu import aot as gc  # noqa: E402
+from jaxkv.gpu import hlo  # noqa: E402
 
 POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow", "lrfu")
 MODES = ("exact", "sparse")
@@ -281,8 +282,8 @@ def check(cases: list[dict], layers: int) -> list[str]:
 
 def _follows(policy: str) -> bool:
     """The policy runs a per-step rule (`Policy.follow`) inside the decode step."""
-    from jaxkv import presets
     from jaxkv.cost import CostModel
+    from jaxkv.placement import presets
 
     return policy != "-" and presets.resolve(policy, CostModel()).follow is not None
 
@@ -429,10 +430,10 @@ def main(argv=None) -> int:
                     layers=args.layers,
                     fp8=args.fp8,
                     **{f: a[f] for f in FIELDS},
-                    program_ops=len(ops := gc.program_ops(mod.stablehlo_text)),
-                    program_digest=gc.program_digest(ops),
+                    program_ops=len(ops := hlo.program_ops(mod.stablehlo_text)),
+                    program_digest=hlo.program_digest(ops),
                     host_reads=a["scope_h2d"],
-                    read_overlap=min(gc.overlap(mod.hlo_text), default=None),
+                    read_overlap=min(hlo.overlap(mod.hlo_text), default=None),
                     host_compute=a["host_compute"],
                     conditionals=a["conditionals"],
                     transfers=dict(a["transfers"]),

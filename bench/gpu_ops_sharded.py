@@ -1,4 +1,4 @@
-"""The sharded decode step (`jaxkv.sharded`) compiled for 8 H200s on a machine without a GPU.
+"""The sharded decode step (`jaxkv.decode.sharded`) compiled for 8 H200s on a machine without a GPU.
 
 A Llama-3.1-8B-shaped model (bench/gpu_ops.py's shape, abstract: nothing allocated at full size)
 on a mesh of 8 simulated CPU devices is traced, lowered for CUDA and compiled as one SPMD
@@ -42,9 +42,10 @@ from flax import nnx  # noqa: E402
 from gpu_ops import LLAMA_8B, SMALL, abstract_model, cache_config, parse_tokens  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from jaxkv import gpu_compile as gc  # noqa: E402
-from jaxkv import sharded  # noqa: E402
 from jaxkv.config import PlacementConfig  # noqa: E402
+from jaxkv.decode import sharded  # noqa: E402
+from jaxkv.gpu import aot as gc  # noqa: E402
+from jaxkv.gpu import hlo  # noqa: E402
 
 NEW_TOKENS = 64
 
@@ -91,7 +92,7 @@ def compile_case(*, layers, context, batch, data, model, mode, policy, shape, st
         batch=batch,
         mode=mode,
         policy=policy,
-        **gc.summary(a),
+        **hlo.summary(a),
         all_reduces=text.count(" all-reduce-start(") + text.count(" all-reduce("),
         compile_s=round(time.perf_counter() - t0, 1),
     )

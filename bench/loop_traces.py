@@ -25,7 +25,7 @@ import numpy as np
 from _progress import tqdm  # tqdm, or a stand-in where it is missing
 
 from jaxkv.cost import GEOMETRIES
-from jaxkv.policies import plans
+from jaxkv.placement.policies import plans
 from jaxkv.sim import loop, loop_trace
 from jaxkv.sim import trace as tr
 
@@ -116,7 +116,7 @@ def run_case(trace, case: str, args) -> dict:
 
 def plan_seconds(setup, rec, repeats: int = 2) -> float:
     """One compiled plan's seconds at the record's start (best of `repeats`)."""
-    from jaxkv.decode_observation import observe
+    from jaxkv.placement.observation import observe
 
     c, st = setup.cache_config, rec.start
     sealed = np.arange(c.max_blocks)[None] < (np.asarray(st.lengths) // c.block_size)[:, None]

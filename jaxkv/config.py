@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.cache.quant import FP8, FP8_MODES, fp8_block_bytes
 from jaxkv.model_api import require_fields
-from jaxkv.quant import FP8, FP8_MODES, fp8_block_bytes
 
 TIER_HBM = 0  # memory kind "device"
 TIER_HOST = 1  # memory kind "pinned_host"
@@ -27,7 +27,7 @@ HBM_KIND = "device"
 HOST_KIND = "pinned_host"
 HOST_KINDS = ("pinned_host", "unpinned_host", "device")
 
-FETCH_OPTIONS = ("auto", "xla", "pallas")  # jaxkv.transfer's mechanisms
+FETCH_OPTIONS = ("auto", "xla", "pallas")  # jaxkv.cache.transfer's mechanisms
 HOST_TIERS = ("write-through", "exclusive")  # CacheConfig.host_tier
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -127,10 +127,10 @@ class CacheConfig:
         metrics, no host memory; used where a tool cannot handle host operands, e.g. Pallas
         interpret mode inside a jit with pinned_host arguments fails to lower in jax 0.12.0.1).
       fetch: how blocks cross between the tiers (host reads, promotions, demotions, spills):
-        "auto", "xla" or "pallas" (`jaxkv.transfer`); every one moves a layer's blocks in one
+        "auto", "xla" or "pallas" (`jaxkv.cache.transfer`); every one moves a layer's blocks in one
         operation per pool, never block by block.
       fp8: "off" (every block in `dtype`); "host": every block on the host tier is stored as
-        float8_e4m3fn with a dynamic fp32 scale per block and KV head (`jaxkv.quant`), so it
+        float8_e4m3fn with a dynamic fp32 scale per block and KV head (`jaxkv.cache.quant`), so it
         crosses the link at one byte an element; HBM blocks, the tail included, stay in
         `dtype`. Quantized when a block enters the host tier, dequantized on the device when it
         is read or promoted. "age": every sealed block is stored as FP8 in both tiers
@@ -478,7 +478,8 @@ PROFILES: dict[str, HardwareProfile] = {
 
 @dataclasses.dataclass(frozen=True)
 class AnnealConfig:
-    """Simulated-annealing schedule, scaled to the energy change of one move (`jaxkv.anneal`).
+    """Simulated-annealing schedule, scaled to the energy change of one move
+    (`jaxkv.placement.anneal`).
 
     Attributes:
       chains: chains per layer, all starting from the greedy start.
@@ -519,11 +520,11 @@ class PlacementConfig:
     """How and when the decode loop re-plans placement.
 
     Attributes:
-      policy: policy name (a preset of `jaxkv.presets`), "anneal" with the modifiers
-        +reuse, +follow, +aw, +ec (`jaxkv.presets.split_name`; the decode loop's best live
-        policy is "anneal+reuse+follow"), or a policy object (`jaxkv.policies.Policy`, e.g. a
-        composed `Anneal`: online, with its `window` equal to this window), checked by the
-        Decoder (`jaxkv.decode_setup.live_policy`).
+      policy: policy name (a preset of `jaxkv.placement.presets`), "anneal" with the modifiers
+        +reuse, +follow, +aw, +ec (`jaxkv.placement.presets.split_name`), "lrfu" (the live
+        policy), or a policy object (`jaxkv.placement.policies.Policy`, e.g. a composed
+        `Anneal`: online, with its `window` equal to this window), checked by the
+        Decoder (`jaxkv.decode.setup.live_policy`).
       window: steps between plans (W); held in the decode state, so changing it never recompiles.
       adaptive_window: adapt W by +-window_step from the HBM hit rate, within
         [min_window, max_window].
@@ -534,7 +535,9 @@ class PlacementConfig:
       sink_blocks, recent_blocks: always read in sparse mode.
     """
 
-    policy: Any = "static"  # a preset name or a jaxkv.policies.Policy (which imports this module)
+    policy: Any = (
+        "static"  # a preset name or a jaxkv.placement.policies.Policy (which imports this module)
+    )
     window: int = 50
     adaptive_window: bool = False
     min_window: int = 20

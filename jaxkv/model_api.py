@@ -1,4 +1,4 @@
-"""What a model gives the decode loop (`jaxkv.decode.Decoder`), written down and checked.
+"""What a model gives the decode loop (`jaxkv.Decoder`), written down and checked.
 
 A model is a Flax NNX module (e.g. `models.Llama`) or plain JAX functions over a parameter
 pytree wrapped as `FunctionalModel`. The Decoder uses exactly this of it (`Model`):
@@ -66,7 +66,7 @@ class AttendFn(Protocol):
 
 
 class Model(Protocol):
-    """What `jaxkv.decode.Decoder` uses of a model (module docstring)."""
+    """What `jaxkv.Decoder` uses of a model (module docstring)."""
 
     config: ModelConfig
 
@@ -75,6 +75,22 @@ class Model(Protocol):
     def decode_step(
         self, tokens: jax.Array, positions: jax.Array, attend: AttendFn, carry: Any
     ) -> tuple[jax.Array, Any]: ...
+
+
+class TensorParallel(Protocol):
+    """What `jaxkv.decode.sharded.ShardedDecoder` needs of a model beyond `Model`: how it splits
+    over a mesh's "model" axis (tensor parallelism). `models.llama.Llama` implements it."""
+
+    def tensor_shard(self, shards: int, axis: str | None) -> Model:
+        """The model one device of `shards` runs (abstract, e.g. `nnx.eval_shape`), its
+        row-parallel outputs summed over mesh axis `axis` (None: one shard, nothing to sum).
+        Raises ValueError naming a dimension that `shards` does not divide."""
+        ...
+
+    def tensor_split_axes(self, params) -> Any:
+        """For each leaf of `params` (this model's state, `nnx.split`): the array axis it splits
+        along over the "model" mesh axis, or None when every device holds all of it."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)

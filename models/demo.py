@@ -30,10 +30,10 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxkv import Decoder, summarize
 from jaxkv.cli import atomic_output
 from jaxkv.config import PROFILES, CacheConfig, PlacementConfig, check_number
-from jaxkv.decode import Decoder, summarize
-from jaxkv.presets import split_policies
+from jaxkv.placement.presets import split_policies
 from jaxkv.sim import loop
 from models.generate import (
     HBM_KEYWORDS,

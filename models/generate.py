@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from jaxkv import presets
+from jaxkv import Decoder, Greedy, Sampling
+from jaxkv.cache.quant import FP8_MODES
 from jaxkv.config import CacheConfig, PlacementConfig, check_number
-from jaxkv.decode import PAD_ID, Decoder, Greedy, Sampling, summarize
-from jaxkv.quant import FP8_MODES
+from jaxkv.decode.state import PAD_ID, summarize
+from jaxkv.placement import presets
 from models.default import default_model
 from models.hf import (
     chat_template,
@@ -200,7 +201,7 @@ def encode(tokenizer, text: str, vocab_size: int, *, special: bool = True) -> np
 
 def decode_text(tokenizer, ids, stop: tuple[int, ...] = ()) -> str:
     """The text of `ids` up to (without) the first stop token or the decoder's padding
-    (`jaxkv.decode.PAD_ID`, after a sequence's last token); special tokens before it are kept
+    (`jaxkv.decode.state.PAD_ID`, after a sequence's last token); special tokens before it are kept
     (a chat model's turn markers are part of what it said)."""
     ids = [int(i) for i in ids]
     ids = ids[: ids.index(PAD_ID)] if PAD_ID in ids else ids

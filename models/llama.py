@@ -97,8 +97,8 @@ class LlamaConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] | None = None
     init_std: float = 0.02
-    # tensor parallelism (jaxkv.sharded): this config is one shard's (num_heads, num_kv_heads and
-    # ffn_dim its own), run under shard_map; the row-parallel projections (attention output,
+    # tensor parallelism (jaxkv.decode.sharded): this config is one shard's (num_heads, num_kv_heads
+    # and ffn_dim its own), run under shard_map; the row-parallel projections (attention output,
     # MLP down) are summed over this mesh axis before their bias
     tp_axis: str | None = None
 
@@ -314,6 +314,18 @@ def stack_blocks(blocks: list[Block]) -> Block:
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
+# the array axis each layer weight splits along under tensor parallelism ([layers, in, out])
+_TP_SPLIT = {
+    ("q", "w"): 2, ("k", "w"): 2, ("v", "w"): 2, ("q", "b"): 1, ("k", "b"): 1, ("v", "b"): 1,
+    ("o", "w"): 1, ("gate", "w"): 2, ("up", "w"): 2, ("gate", "b"): 1, ("up", "b"): 1,
+    ("down", "w"): 1,
+}  # fmt: skip
+
+
+def _key_name(k) -> str:
+    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+
+
 class Llama(nnx.Module):
     """Llama-family decoder. See the module docstring for the three entry points."""
 
@@ -329,6 +341,43 @@ class Llama(nnx.Module):
         self.lm_head = (  # [dim, vocab]
             None if c.tie_embeddings else _init(rngs, (c.dim, c.vocab_size), std, dt)
         )
+
+    def tensor_shard(self, shards: int, axis: str | None) -> Llama:
+        """One device's model under `shards`-way tensor parallelism over mesh axis `axis`
+        (`jaxkv.model_api.TensorParallel`): abstract (no weights), with num_heads, num_kv_heads
+        and ffn_dim divided by `shards` and the row-parallel projections summed over `axis`."""
+        c = self.config
+        for what, n in (
+            ("KV heads", c.num_kv_heads),
+            ("query heads", c.num_heads),
+            ("ffn_dim", c.ffn_dim),
+        ):
+            if n % shards:
+                raise ValueError(
+                    f"ShardedDecoder: {what}={n} does not divide over the mesh's 'model' axis "
+                    f"of {shards} devices"
+                )
+        local = dataclasses.replace(
+            c,
+            num_heads=c.num_heads // shards,
+            num_kv_heads=c.num_kv_heads // shards,
+            ffn_dim=c.ffn_dim // shards,
+            tp_axis=axis,
+        )
+        return nnx.eval_shape(lambda: Llama(local, rngs=nnx.Rngs(0)))
+
+    def tensor_split_axes(self, params) -> Any:
+        """The axis each leaf of `params` (`nnx.split(self)[1]`) splits along over the mesh's
+        "model" axis (`jaxkv.model_api.TensorParallel`): Q, K, V, gate and up by output (heads,
+        ffn), O and down by input, summed after (`LlamaConfig.tp_axis`); the rest replicated."""
+
+        def axis(path, _):
+            names = [_key_name(k) for k in path if _key_name(k) != "value"]
+            if len(names) >= 3 and names[0] == "layers":
+                return _TP_SPLIT.get(tuple(names[-2:]))
+            return None
+
+        return jax.tree_util.tree_map_with_path(axis, params)
 
     def layer(self, i: int) -> Block:
         """Layer ``i`` (a Python int) as a Block of its own (a view for inspection and tests)."""

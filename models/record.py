@@ -24,11 +24,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxkv import cost
+from jaxkv import Decoder, cost
 from jaxkv.cli import atomic_output
 from jaxkv.config import CacheConfig, PlacementConfig, check_number
-from jaxkv.decode import Decoder
 from jaxkv.sim import trace as kvtrace
+from jaxkv.sim import trace_fields
 from models.generate import check_model_spec, encode, load_model
 
 
@@ -153,7 +153,7 @@ def record_trace(
             "mass": mass,
             "name": name,
             "tokens": tokens,
-            **kvtrace.geometry_fields(model_geometry(model, model_name)),
+            **trace_fields.geometry_fields(model_geometry(model, model_name)),
         }
     )
 

@@ -1,6 +1,7 @@
-"""Pure-jnp reference of `blocked_attention` (gather + masked softmax in fp32): the XLA path and
-the kernel's test oracle; and `merge_partials`, the log-sum-exp merge of partial results.
-`pallas_kernels.blocked_attention` re-exports both."""
+"""Pure-jnp reference of `blocked_attention` (gather + masked softmax in fp32), the kernel's test
+oracle; `attend_blocks`, the masked softmax over blocks it shares with jaxkv's XLA path
+(`jaxkv.attention.xla.attend_compact`); and `merge_partials`, the log-sum-exp merge of partial
+results. `pallas_kernels.blocked_attention` re-exports the reference and the merge."""
 
 from __future__ import annotations
 
@@ -11,6 +12,40 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.paging import check_inputs, token_ranges
+
+
+def attend_blocks(q, k, v, valid, scale: float, softcap: float | None = None):
+    """Attention of one query per sequence over its blocks, in fp32: the one softmax of the XLA
+    path and of this reference.
+
+    Args:
+      q: [batch, q_heads, head_dim]; k, v: [batch, K, block_size, kv_heads, head_dim] (query
+        head h reads KV head h // (q_heads // kv_heads)); valid: [batch, K, block_size] bool,
+        the tokens attended.
+      scale: the logits' scale; softcap: None, or c for c * tanh(logits / c).
+    Returns:
+      out [batch, kv_heads, group, head_dim] f32, normalised over the attended tokens;
+      lse [batch, kv_heads, group] (-inf where nothing is attended); block_lse [batch, q_heads,
+      K], each block's log-sum-exp (-inf for a block with nothing attended).
+    """
+    B, H, D = q.shape
+    _, K, _, KV, _ = k.shape
+    qg = q.reshape(B, KV, H // KV, D).astype(jnp.float32)
+    s = jnp.einsum("bhgd,bkthd->bhgkt", qg, k.astype(jnp.float32)) * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    s = jnp.where(valid[:, None, None], s, -jnp.inf)
+    m = s.max(axis=(-2, -1), keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m_safe)
+    total = p.sum(axis=(-2, -1))
+    out = jnp.einsum("bhgkt,bkthd->bhgd", p, v.astype(jnp.float32))
+    out = out / jnp.where(total > 0, total, 1.0)[..., None]
+    m0 = m_safe[..., 0, 0]
+    lse = jnp.where(total > 0, m0 + jnp.log(total), -jnp.inf)
+    pb = p.sum(axis=-1)  # [B, KV, G, K]
+    blse = jnp.where(pb > 0, m0[..., None] + jnp.log(jnp.where(pb > 0, pb, 1.0)), -jnp.inf)
+    return out, lse, blse.reshape(B, H, K)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "return_block_lse"))
@@ -31,12 +66,10 @@ def _blocked_attention_reference(
     return_block_lse=False,
 ):
     batch, q_heads, head_dim = q.shape
-    num_slots, block_size, kv_heads, _ = k_pool.shape[-4:]
-    max_blocks = block_table.shape[1]
+    num_slots, block_size = k_pool.shape[-4:-2]
     first, ntok = token_ranges(block_mask, lengths, block_size, starts)  # [batch, max_blocks]
     t = jnp.arange(block_size)[None, None, :]
     valid = (t >= first[:, :, None]) & (t < ntok[:, :, None])  # [batch, blocks, bs]
-    valid = valid.reshape(batch, max_blocks * block_size)
     slots = jnp.where(ntok > 0, jnp.clip(block_table, 0, num_slots - 1), 0)
     if k_pool.ndim == 5:  # one gather of the needed blocks, not a copy of the layer
         layer = jnp.clip(layer, 0, k_pool.shape[0] - 1)
@@ -50,27 +83,10 @@ def _blocked_attention_reference(
         # scales of the gathered blocks: [batch, max_blocks, 1, kv_heads, 1]
         k = k.astype(jnp.float32) * k_scale[slots][:, :, None, :, None]
         v = v.astype(jnp.float32) * v_scale[slots][:, :, None, :, None]
-    k = k.reshape(batch, max_blocks * block_size, kv_heads, head_dim)
-    v = v.reshape(batch, max_blocks * block_size, kv_heads, head_dim)
-    qg = q.reshape(batch, kv_heads, q_heads // kv_heads, head_dim).astype(jnp.float32)
-    s = jnp.einsum("bhgd,bthd->bhgt", qg, k.astype(jnp.float32)) * scale
-    if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
-    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m_safe)
-    total = p.sum(axis=-1)
-    out = jnp.einsum("bhgt,bthd->bhgd", p, v.astype(jnp.float32))
-    out = out / jnp.where(total > 0, total, 1.0)[..., None]
-    lse = jnp.where(total > 0, m_safe[..., 0] + jnp.log(total), -jnp.inf)
+    out, lse, block_lse = attend_blocks(q, k, v, valid, scale, softcap)
     out, lse = out.reshape(batch, q_heads, head_dim), lse.reshape(batch, q_heads)
-    if not return_block_lse:
-        return out, lse
-    # per-block log-sum-exp, for attention-mass statistics: [batch, q_heads, max_blocks]
-    pb = p.reshape(*p.shape[:-1], max_blocks, block_size).sum(axis=-1)
-    block_lse = jnp.where(pb > 0, m_safe + jnp.log(jnp.where(pb > 0, pb, 1.0)), -jnp.inf)
-    return out, lse, block_lse.reshape(batch, q_heads, max_blocks)
+    # block_lse, per-block log-sum-exp for attention-mass statistics: [batch, q_heads, blocks]
+    return (out, lse, block_lse) if return_block_lse else (out, lse)
 
 
 def blocked_attention_reference(

@@ -18,7 +18,7 @@ def compile_target(platform: str):
     """Traces inside this context take the branches for `platform` ("gpu" / "cuda" / "cpu")
     where code would ask the default backend: compiled kernels instead of the interpreter,
     `hopper_available`, jaxkv's transfer mechanism. For ahead-of-time compiles for a GPU on a
-    CPU machine (`jaxkv.gpu_compile`)."""
+    CPU machine (`jaxkv.gpu.aot`)."""
     global _target
     old, _target = _target, platform
     try:

@@ -15,7 +15,7 @@ WHOLE: a slice of a host array (`pool[layer]`) makes XLA copy the slice to the d
 `scatter_rows` aliases the pool to its output (`input_output_aliases`), so inside a jit whose
 pool argument is donated it writes the host buffer in place. Mosaic GPU rejects host refs at
 trace time, which is why these kernels use the Triton lowering (deprecated in jax 0.12 but
-working); `jaxkv.transfer` keeps them behind its `fetch` option with the pure-XLA path always
+working); `jaxkv.cache.transfer` keeps them behind its `fetch` option with the pure-XLA path always
 available, and the `*_reference` functions below are that path's semantics in pure jnp.
 
 On CPU the kernels run in the Pallas interpreter (`interpret=True`, the default off GPU), on

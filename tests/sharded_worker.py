@@ -44,9 +44,9 @@ def main() -> int:
     import numpy as np
     from flax import nnx
 
-    from jaxkv import sharded
     from jaxkv.config import CacheConfig, PlacementConfig
-    from jaxkv.decode import Decoder
+    from jaxkv.decode import sharded
+    from jaxkv.decode.decoder import Decoder
     from models import tiny_model
 
     model = tiny_model(0)
@@ -143,9 +143,9 @@ def _nan_case(args, model) -> int:
     import numpy as np
     from flax import nnx
 
-    from jaxkv import sharded
     from jaxkv.config import CacheConfig, PlacementConfig
-    from jaxkv.decode import NonFiniteLogitsError
+    from jaxkv.decode import sharded
+    from jaxkv.decode.state import NonFiniteLogitsError
 
     model.embed.value = model.embed.value.at[255].set(jnp.nan)
     _, params = nnx.split(model)

@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import anneal
 from jaxkv.config import AnnealConfig, HardwareProfile
+from jaxkv.placement import anneal
+from jaxkv.placement.anneal import greedy
+from jaxkv.placement.anneal import problem as anneal_problem
 
 PROF = HardwareProfile.preset("gh200-paper")
 B = 16384.0
@@ -303,7 +305,7 @@ def test_greedy_init_trades_idle_residents_for_promotions_that_save_reads():
 def test_best_swaps_energy_is_exact_and_fits_capacity_and_budget(seed):
     pr = problem(seed, n=12, cap=4, invalid=seed % 3)
     score = jnp.asarray(np.random.default_rng(seed).random((1, 12)), jnp.float32)
-    x, e = anneal._best_swaps(pr, score)
+    x, e = greedy.best_swaps(pr, score)
     x = np.asarray(x)
     assert x.sum() <= pr.capacity and not (x & ~np.asarray(pr.valid)).any()
     assert (x != np.asarray(pr.x0 & pr.valid)).sum() <= pr.budget
@@ -345,7 +347,7 @@ def test_greedy_init_takes_a_partial_trade_no_prefix_can():
     assert e_g == pytest.approx(min(trades), rel=1e-6)
     a = np.asarray(pr.forecast)
     scores = (jnp.asarray(a.sum(1)), jnp.asarray(x0, jnp.float32), jnp.asarray(a[:, 0]))
-    prefixes = [float(anneal._best_prefix(pr, s)[1][0]) for s in scores]
+    prefixes = [float(greedy.best_prefix(pr, s)[1][0]) for s in scores]
     assert e_g < min(prefixes) * (1 - 1e-3)
 
 
@@ -359,7 +361,7 @@ def test_spread_prices_the_expected_step_time():
     s[:8] = 0.0
     one = jnp.ones((1,), jnp.float32)
     e = jax.vmap(
-        lambda h, link, sp: anneal._energy_of_loads(
+        lambda h, link, sp: anneal_problem.energy_of_loads(
             h[None], link[None], 0.0 * one, one, PROF, sp[None]
         )
     )(th_bytes, tl_bytes, s)

@@ -9,8 +9,9 @@ import pytest
 import scipy.optimize
 import scipy.sparse as sp
 
-from jaxkv import anneal, cost, presets
+from jaxkv import cost
 from jaxkv.config import AnnealConfig, HardwareProfile
+from jaxkv.placement import anneal, presets
 from jaxkv.sim import simulate as sim
 from jaxkv.sim import trace as tr
 from jaxkv.sim.replay import init_state, run_chunk

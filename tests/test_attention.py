@@ -5,12 +5,9 @@ import pytest
 from conftest import random_cache
 
 from jaxkv import cache as kvc
-from jaxkv.attention import (
-    dense_attention_reference,
-    select_blocks,
-    tiered_attention,
-    window_starts,
-)
+from jaxkv.attention.select import select_blocks, window_starts
+from jaxkv.attention.tiered import tiered_attention
+from jaxkv.attention.xla import dense_attention_reference
 from jaxkv.config import PlacementConfig
 
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
@@ -143,7 +140,7 @@ def test_compact_attention_matches_the_gathering_reference():
     """The XLA path gathers only the blocks a part reads (`compact_ids`, `attend_compact`):
     the same output, log-sum-exp and per-block log-sum-exp as the kernel's pure-jnp reference,
     which gathers every column of the block table."""
-    from jaxkv.attention import attend_compact, compact_ids
+    from jaxkv.attention.xla import attend_compact, compact_ids
     from pallas_kernels.blocked_attention import blocked_attention_reference
 
     rng = np.random.default_rng(0)
@@ -254,7 +251,7 @@ def test_window_pallas_matches_xla_in_interpreter():
 def test_quest_scores_upper_bound_every_key():
     """The Quest bound of a block is >= the best logit of any of its keys, per sequence (GQA:
     4 query heads over 2 KV heads), and equal to it for a block of one token."""
-    from jaxkv.attention import quest_scores
+    from jaxkv.attention.select import quest_scores
 
     rng = np.random.default_rng(0)
     B, M, T, KV, G, D = 2, 5, 4, 2, 2, 8

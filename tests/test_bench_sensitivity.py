@@ -121,7 +121,7 @@ def test_settings_reach_the_policy():
     """The knobs simulate does not expose reach Anneal through simulate(policy_kwargs=), and
     bad policy_kwargs are refused before any work."""
     from jaxkv.config import PROFILES
-    from jaxkv.pricing import AdaptiveWindow, Compensate
+    from jaxkv.placement.pricing import AdaptiveWindow, Compensate
     from jaxkv.sim import simulate as sim
 
     setup = sim.Setup(64, 16, 1, 8, 4, 16384, 1.6e8, PROFILES["gh200-paper"])

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxkv import Decoder, Greedy, Sampling
 from jaxkv import cache as kvc
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
-from jaxkv.decode import PAD_ID, Decoder, Greedy, NonFiniteLogitsError, Sampling, summarize
+from jaxkv.decode.state import PAD_ID, NonFiniteLogitsError, summarize
 
 PROMPT_LENS = (45, 30)
 NEW = 24
@@ -428,8 +429,7 @@ def test_nan_weights_stop_the_run_naming_the_step(tiny):
 
 
 def test_non_finite_logits_later_name_the_decode_step():
-    from jaxkv.decode import check_finite
-    from jaxkv.decode_state import SamplingState
+    from jaxkv.decode.state import SamplingState, check_finite
 
     z = jnp.zeros((2,), jnp.int32)
     sm = SamplingState(tokens=None, last=z, done=z, step=z, key=None, bad_step=jnp.array([7, 5]))

@@ -217,7 +217,7 @@ def test_demo_failure_mid_run_gets_its_own_line(capsys, monkeypatch, tiny):
 
 def test_decoded_text_stops_at_the_pad():
     """The token buffer pads a finished sequence with PAD_ID (-1, no token): the text stops."""
-    from jaxkv.decode import PAD_ID
+    from jaxkv.decode.state import PAD_ID
     from models.generate import decode_text
 
     assert decode_text(None, [104, 105, PAD_ID, PAD_ID]) == "hi"

@@ -1,4 +1,4 @@
-"""FP8 host tier (`CacheConfig(fp8="host")`, `jaxkv.quant`): quantization error within the
+"""FP8 host tier (`CacheConfig(fp8="host")`, `jaxkv.cache.quant`): quantization error within the
 format's bound at any scale, attention over FP8 blocks within a derived bound of full precision
 (and identical across placements and mechanisms for the quantized values), real bytes in the
 cost model, the decode loop and the simulator, and nothing changed with FP8 off."""
@@ -13,12 +13,12 @@ from conftest import demote_then_promote_all, fp8_config, prefilled
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxkv import Decoder
 from jaxkv import attention as att
 from jaxkv import cache as kvc
-from jaxkv import quant
+from jaxkv.cache import quant
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.cost import CostModel, link_profile
-from jaxkv.decode import Decoder
 
 
 @settings(max_examples=40, deadline=None)

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from conftest import demote_then_promote_all, fp8_config, prefilled
 
+from jaxkv import Decoder, summarize
 from jaxkv import attention as att
 from jaxkv import cache as kvc
-from jaxkv import quant
-from jaxkv.cache_layout import ring_ids, ring_window
+from jaxkv.cache import quant
+from jaxkv.cache.layout import ring_ids, ring_window
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
-from jaxkv.decode import Decoder, summarize
 
 BS = 16
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import importance as imp
+from jaxkv.placement import statistics as imp
 from jaxkv.sim import learned as lrn
 from jaxkv.sim import oracles
 from jaxkv.sim import trace as tr

@@ -1,5 +1,6 @@
-"""The house rules: the runtime imports nothing of the research side, no import cycles, no module
-over 600 lines."""
+"""The house rules: the runtime imports nothing of the research side nor of `models`, no import
+cycles, no module over 600 lines, every package says in one line which room it is, and the
+public API is importable from `jaxkv`."""
 
 import ast
 import pathlib
@@ -83,7 +84,7 @@ def _cycles(graph) -> list[list[str]]:
 
 
 def _is_package(name: str) -> bool:
-    return name in PACKAGES or name == "jaxkv.sim"
+    return _modules()[name].name == "__init__.py"
 
 
 def test_no_import_cycles():
@@ -96,13 +97,73 @@ def test_no_import_cycles():
 def test_the_runtime_imports_nothing_of_the_research_side():
     """No module of jaxkv outside jaxkv.sim imports jaxkv.sim, even inside a function. (The
     oracle presets are loaded by name, on demand, when a simulator asks for one:
-    `jaxkv.presets.resolve`.)"""
+    `jaxkv.placement.presets.resolve`.)"""
     bad = {
         m: sorted(t for t in ts if t.startswith("jaxkv.sim"))
         for m, ts in _graph().items()
         if m.startswith("jaxkv") and not m.startswith("jaxkv.sim")
     }
     assert {m: ts for m, ts in bad.items() if ts} == {}
+
+
+def test_the_library_imports_nothing_of_models():
+    """jaxkv (runtime and research side) never imports the `models` package, even inside a
+    function: a model comes in through the Model protocol (`jaxkv.model_api`)."""
+    bad = {
+        m: sorted(t for t in ts if t.split(".")[0] == "models")
+        for m, ts in _graph().items()
+        if m.startswith("jaxkv")
+    }
+    assert {m: ts for m, ts in bad.items() if ts} == {}
+
+
+def test_every_package_states_its_room_in_one_line():
+    """Each package's `__init__` opens with a docstring whose first line is one sentence."""
+    missing = {}
+    for name, path in _modules().items():
+        if path.name != "__init__.py":
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+        first = doc.split("\n")[0].strip()
+        if not (first.endswith(".") and len(first) > 20):
+            missing[name] = first
+    assert missing == {}
+
+
+def test_the_rooms_are_subpackages():
+    """The folder list shows the architecture: jaxkv's top level keeps only the configs, the
+    cost model, the model protocol and the command; everything else lives in a room."""
+    top = sorted(p.stem for p in (ROOT / "jaxkv").glob("*.py") if p.stem != "__init__")
+    assert top == ["_pytree", "cli", "config", "cost", "model_api"]
+    rooms = sorted(p.parent.name for p in (ROOT / "jaxkv").glob("*/__init__.py"))
+    assert rooms == ["attention", "cache", "decode", "gpu", "placement", "sim"]
+
+
+def test_the_public_api_and_no_library_module_imports_it_from_the_top():
+    """`jaxkv` exports the public API; inside the library, names come from their modules (an
+    import of the top package's names from a library module would depend on import order)."""
+    import jaxkv
+
+    assert set(jaxkv.__all__) >= {
+        "Decoder",
+        "DecodeState",
+        "summarize",
+        "CacheConfig",
+        "PlacementConfig",
+        "HardwareProfile",
+        "TieredKVCache",
+        "FunctionalModel",
+    }
+    assert all(getattr(jaxkv, n) is not None for n in jaxkv.__all__)
+    mods = _modules()
+    bad = []
+    for name, path in mods.items():
+        if not name.startswith("jaxkv") or name == "jaxkv":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "jaxkv" and not node.level:
+                bad += [f"{name}: {a.name}" for a in node.names if f"jaxkv.{a.name}" not in mods]
+    assert bad == []
 
 
 def test_no_module_over_600_lines():
@@ -117,15 +178,18 @@ def test_no_module_over_600_lines():
 
 def test_runtime_import_loads_no_scipy_optax_or_research_module():
     """A fresh interpreter imports the decode loop and builds every online preset: neither
-    scipy, optax nor any module of jaxkv.sim is loaded."""
+    scipy, optax, any module of jaxkv.sim nor `models` is loaded."""
     code = """
 import sys
-import jaxkv.decode, jaxkv.cache, jaxkv.attention, jaxkv.presets as pr
+import jaxkv
+import jaxkv.decode.decoder, jaxkv.cache, jaxkv.attention, jaxkv.decode.sharded
+import jaxkv.placement.presets as pr
 from jaxkv.cost import CostModel
-for name in ("static", "lru", "anneal", "anneal+reuse", "anneal+reuse+follow", "anneal+aw+ec"):
+names = ("static", "lru", "lrfu", "anneal", "anneal+reuse", "anneal+reuse+follow", "anneal+aw+ec")
+for name in names:
     pr.resolve(name, CostModel())
 bad = sorted(m for m in sys.modules if m.split(".")[0] in ("scipy", "optax")
-             or m.startswith("jaxkv.sim"))
+             or m.startswith("jaxkv.sim") or m.split(".")[0] == "models")
 print(bad)
 """
     env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}

@@ -9,10 +9,10 @@ from conftest import random_block_trace
 
 from jaxkv import cost
 from jaxkv.config import AnnealConfig, HardwareProfile
-from jaxkv.sim import lp_bound as lpb
-from jaxkv.sim import lp_lagrangian as lpl
+from jaxkv.sim import lp as lpb
 from jaxkv.sim import simulate as sim
 from jaxkv.sim import trace as tr
+from jaxkv.sim.lp import lagrangian as lpl
 
 TOL = 1e-6
 FAST = AnnealConfig(chains=4, max_iters=100)
@@ -154,7 +154,7 @@ def layer_inputs(case):
 def vertex(case, **kw):
     """A vertex optimum (dual simplex) of the whole-horizon LP: (seconds, integral?)."""
     args, akw, scale = layer_inputs(case)
-    lp = lpb.build_window_lp(*args, **akw, **kw)
+    lp = lpb.build_window_lp(lpb.WindowSpec(*args, **akw, **kw))
     res = scipy.optimize.linprog(
         lp.c, A_ub=lp.A, b_ub=lp.b, bounds=np.stack([lp.lb, lp.ub], 1), method="highs-ds"
     )
@@ -309,7 +309,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="demote_cost must be >= 0"):
         lpb.lp_bound_seconds(trace, 0.5, demote_cost=-1.0, **kw)
     with pytest.raises(ValueError, match=r"fixed must have shape \(2,\)"):
-        lpb.build_window_lp(np.zeros((2, 3), bool), np.zeros(3), 1, 10.0)
+        lpb.build_window_lp(lpb.WindowSpec(np.zeros((2, 3), bool), np.zeros(3), 1, 10.0))
 
 
 # (geometry, pool blocks, sparsity, keep_fetched, demote_cost): KV-dominated, weight-dominated
@@ -385,13 +385,15 @@ def test_value_to_go_is_the_chain_cost_difference_by_enumeration(demote_cost):
     vf = np.array([0, 0, 0, 2, 0])  # block 3 sealed at step 2
     reads[:2, 3] = False
     blk = lpl.window_blocks(
-        reads,
-        np.full(T, 3.0),
-        C,
-        10.0,
-        valid_from=vf,
-        init=np.array([1, 1, 0, 0, 0], bool),
-        demote_cost=demote_cost,
+        lpb.WindowSpec(
+            reads,
+            np.full(T, 3.0),
+            C,
+            10.0,
+            valid_from=vf,
+            init=np.array([1, 1, 0, 0, 0], bool),
+            demote_cost=demote_cost,
+        )
     )
     z = np.concatenate([r.random(T), r.random(T) * 2.0, np.zeros(T)])
     z[2 * T + 2] = 0.7  # the sealing row's price
@@ -411,7 +413,7 @@ def test_value_to_go_by_hand_is_one_link_transfer_before_link_bound_reads():
     # that one: the value of keeping it is one link transfer (rho block-HBM units)
     T, rho = 5, 10.0
     reads = np.ones((T, 1), bool)
-    blk = lpl.window_blocks(reads, np.zeros(T), 1, rho)
+    blk = lpl.window_blocks(lpb.WindowSpec(reads, np.zeros(T), 1, rho))
     z = np.zeros(3 * T)
     v = lpb.value_to_go(blk, z)
     np.testing.assert_allclose(v[: T - 1, 0], rho)

@@ -1,14 +1,14 @@
-"""The live policy `lrfu` (`jaxkv.policies.Lrfu`): the follow rule with admit="value", run inside
-each decode step with no plan (issue 32, item 2)."""
+"""The live policy `lrfu` (`jaxkv.placement.policies.Lrfu`): the follow rule with admit="value", run
+inside each decode step with no plan (issue 32, item 2)."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import importance as imp
-from jaxkv import policies as pol
-from jaxkv import presets
 from jaxkv.cost import CostModel
+from jaxkv.placement import policies as pol
+from jaxkv.placement import presets
+from jaxkv.placement import statistics as imp
 
 T, F = True, False
 
@@ -102,7 +102,8 @@ def test_lrfu_in_the_decode_loop(tiny):
     LRU on modeled time on a link-bound sparse decode."""
     from jaxkv import cache as kvc
     from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
-    from jaxkv.decode import Decoder, summarize
+    from jaxkv.decode.decoder import Decoder
+    from jaxkv.decode.state import summarize
 
     model, params = tiny
     slow = HardwareProfile("slow-link", hbm_bandwidth=1e13, link_bandwidth=1e9, hbm_bytes=1e9)

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxkv import FunctionalModel, model_api
+from jaxkv import Decoder, FunctionalModel, model_api
 from jaxkv.config import CacheConfig, PlacementConfig
-from jaxkv.decode import Decoder
 
 
 class Config(NamedTuple):  # hashable: the Decoder compiles for it
@@ -381,8 +380,11 @@ def test_not_a_state_is_named(decoded):
 
 
 def test_the_mesh_decoder_names_a_model_it_cannot_split():
-    from jaxkv import sharded
+    from jaxkv.decode import sharded
 
-    msg = "ShardedDecoder: model is a FunctionalModel: expected a models.Llama"
+    msg = (
+        "ShardedDecoder: model is a FunctionalModel: expected a model that says how it splits "
+        "over the mesh (jaxkv.model_api.TensorParallel"
+    )
     with pytest.raises(TypeError, match=re.escape(msg)):
         sharded.ShardedDecoder(MODEL, _cache(0.25), PlacementConfig(), mesh=sharded.make_mesh(1, 1))

@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import importance as imp
-from jaxkv import policies as P
-from jaxkv import presets
-from jaxkv import pricing as pr
 from jaxkv.config import AnnealConfig, HardwareProfile
 from jaxkv.cost import CostModel
-from jaxkv.forecasts import EMA, Now, Reuse
+from jaxkv.placement import policies as P
+from jaxkv.placement import presets
+from jaxkv.placement import pricing as pr
+from jaxkv.placement import statistics as imp
+from jaxkv.placement.forecasts import EMA, Now, Reuse
 from jaxkv.sim import oracles as O
 
 L, N, CAP, H = 2, 24, 6, 5
@@ -627,7 +627,7 @@ def test_oracle_knob_defaults_are_the_parts_defaults():
 
 
 def test_policy_lists_split_at_top_level_commas_only():
-    from jaxkv.presets import split_policies
+    from jaxkv.placement.presets import split_policies
 
     assert split_policies("static, paper-sa[10,0.5],lru,") == ["static", "paper-sa[10,0.5]", "lru"]
     assert split_policies("paper-sa[2,0.5],paper-sa[50,0.25]") == [

@@ -9,9 +9,9 @@ import re
 import jax.numpy as jnp
 import pytest
 
-from jaxkv import cli, forecasts, policies, pricing
+from jaxkv import Decoder, cli
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
-from jaxkv.decode import Decoder
+from jaxkv.placement import forecasts, policies, pricing
 from jaxkv.sim import simulate as sim
 from jaxkv.sim import trace as tr
 

@@ -29,8 +29,8 @@ def test_readme_example_runs(i, capsys):
 
 def test_every_policy_name_on_the_results_page_resolves():
     """Every policy name bench/RESULTS.md reports a figure for is still a preset."""
-    from jaxkv import presets
     from jaxkv.cost import CostModel
+    from jaxkv.placement import presets
 
     text = (README.parent / "bench" / "RESULTS.md").read_text()
     found = set(re.findall(r"\b(anneal(?:-oracle)?(?:\+[a-z]+)*|paper-sa\[\d+,[\d.]+\])", text))

@@ -1,5 +1,5 @@
-"""The sharded cache and decode loop (`jaxkv.sharded`) on 8 simulated CPU devices and across two
-processes under jax.distributed. A mesh needs the devices jax starts with, so the multi-device
+"""The sharded cache and decode loop (`jaxkv.decode.sharded`) on 8 simulated CPU devices and across
+two processes under jax.distributed. A mesh needs the devices jax starts with, so the multi-device
 runs happen in fresh interpreters (tests/sharded_worker.py, one JSON line each)."""
 
 import json
@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxkv import sharded
 from jaxkv.config import CacheConfig, PlacementConfig
+from jaxkv.decode import sharded
 
 WORKER = os.path.join(os.path.dirname(__file__), "sharded_worker.py")
 
@@ -189,7 +189,7 @@ def test_two_processes_decode_one_sharded_cache():
 @pytest.mark.slow  # default suite: 20-35 s each (CI runs make test-slow)
 def test_one_device_mesh_in_process(tiny):
     """A 1 x 1 mesh is the single-device decoder under shard_map: the same tokens."""
-    from jaxkv.decode import Decoder
+    from jaxkv.decode.decoder import Decoder
 
     model, params = tiny
     cfg = CacheConfig.for_model(model.config, batch=2, max_len=64, block_size=8, hbm_fraction=0.5)
@@ -234,14 +234,30 @@ def test_bad_arguments_are_refused_up_front(tiny):
         dec.prefill(None, np.zeros((3, 5), np.int32))
 
 
+def test_tensor_shard_divides_the_heads_and_names_what_does_not_divide(tiny):
+    """The seam ShardedDecoder uses (jaxkv.model_api.TensorParallel): the model builds its own
+    shard, and refuses a split that does not divide its heads."""
+    model, _ = tiny
+    c = model.config
+    local = model.tensor_shard(2, "model")
+    assert (local.config.num_heads, local.config.num_kv_heads, local.config.ffn_dim) == (
+        c.num_heads // 2,
+        c.num_kv_heads // 2,
+        c.ffn_dim // 2,
+    )
+    assert local.config.tp_axis == "model"
+    with pytest.raises(ValueError, match=f"KV heads={c.num_kv_heads} does not divide"):
+        model.tensor_shard(c.num_kv_heads + 1, "model")
+
+
 def test_param_specs_split_the_tensor_parallel_weights(tiny):
     from jax.sharding import PartitionSpec as P
 
-    _, params = tiny
+    model, params = tiny
     specs = {
         jax.tree_util.keystr(p): s
         for p, s in jax.tree_util.tree_leaves_with_path(
-            sharded.param_specs(params), is_leaf=lambda x: isinstance(x, P)
+            sharded.param_specs(model, params), is_leaf=lambda x: isinstance(x, P)
         )
     }
     assert specs["['layers']['attn']['q']['w'].value"] == P(None, None, "model")
@@ -255,7 +271,7 @@ def test_non_finite_logits_raise_naming_the_global_sequence():
     """On a 2 x 2 mesh, the last sequence (data shard 1, its row 1) holds a token whose
     embedding is NaN: generate raises NonFiniteLogitsError naming sequence 3 (not its row
     within a shard, nor once per model shard) at the prefill, and that sequence stopped."""
-    from jaxkv.decode import PAD_ID
+    from jaxkv.decode.state import PAD_ID
 
     r = _worker("nan", "--devices", "4", "--mesh", "2,2")
     assert r["message"] is not None, "no NonFiniteLogitsError raised"

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import Decoder
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
-from jaxkv.decode import Decoder
 from jaxkv.sim import loop
 
 # a link 10^4 times slower than HBM: the tiny model's steps are link-bound, placement matters
@@ -160,7 +160,7 @@ def test_replay_under_another_window_and_an_oracle(tiny, static_wt):
     """Another W restarts the window (a plan every W steps from the record's start); an oracle,
     which the decode loop refuses, plans on the recorded reads after each plan and stays above
     the bound."""
-    from jaxkv import presets
+    from jaxkv.placement import presets
 
     dec, rec, _ = static_wt
     lru2 = _decoder(tiny[0], "lru", WT, window=2)

@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxkv import cli, cost
-from jaxkv import policies as pol
 from jaxkv.config import AnnealConfig, HardwareProfile
-from jaxkv.forecasts import Now, Reuse
-from jaxkv.pricing import Ride, Spread
+from jaxkv.placement import policies as pol
+from jaxkv.placement.forecasts import Now, Reuse
+from jaxkv.placement.pricing import Ride, Spread
 from jaxkv.sim import simulate as sim
 from jaxkv.sim import trace as tr
 
@@ -204,7 +204,8 @@ def test_cli_defaults_show_the_papers_regime():
     own), where the 24 GB budget leaves HBM about half the KV at the 31,299-token prompt
     (Llama-3.1-8B's KV fits whole: one flag away), and the table's first line says so."""
     from jaxkv import cost
-    from jaxkv.sim.cli import DEFAULT_GEOMETRY, DEFAULT_HBM_GB, TRACE_SIZE, regime_line
+    from jaxkv.sim.cli import DEFAULT_HBM_GB, TRACE_SIZE, regime_line
+    from jaxkv.sim.sizing import DEFAULT_GEOMETRY
 
     args = cli.build_parser().parse_args(["simulate"])
     assert args.geometry is None and DEFAULT_GEOMETRY == "paper" and args.hbm_gb is None
@@ -310,7 +311,7 @@ def test_dual_oracle_runs_on_the_dual_values_and_reports_their_time():
     # oracle plans as with no terminal value;
     # priced far above a step on the blocks the prompt left in HBM (0 .. 2), it keeps them and
     # moves fewer blocks
-    import jaxkv.sim.lp_bound as lpb
+    from jaxkv.sim import lp as lpb
 
     def patched(scale):
         def values(*a, **k):

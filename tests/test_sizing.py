@@ -12,7 +12,7 @@ from conftest import random_block_trace
 from jaxkv import cli, cost
 from jaxkv.config import HardwareProfile
 from jaxkv.sim import simulate as sim
-from jaxkv.sim import sizing
+from jaxkv.sim import sizing, trace_fields
 from jaxkv.sim import trace as tr
 from jaxkv.sim.cli import format_table, pool_hints, regime_line
 
@@ -25,7 +25,7 @@ def tiny_trace(geometry=None):
     ids = np.array([[[1, 2]], [[1, 2]]], np.int32)
     f = dict(version=1, prompt_len=3, block_size=1, ids=ids, mass=np.ones((2, 1, 2), np.float32))
     if geometry is not None:
-        f |= dict(version=2, **tr.geometry_fields(geometry))
+        f |= dict(version=2, **trace_fields.geometry_fields(geometry))
     return tr.validate(f)
 
 

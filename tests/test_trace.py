@@ -5,6 +5,7 @@ import pytest
 
 from jaxkv import cost
 from jaxkv.sim import trace as tr
+from jaxkv.sim import trace_fields
 
 
 def fields(**over):
@@ -238,7 +239,7 @@ GEOMETRY = cost.Geometry("rec", 1, 3, 64, 2, 9.0e6, 2.7e8)  # [1 layer] like fie
 def v2(**over):
     """fields() of a version-2 trace: with its geometry and the tokens of its 2 steps."""
     f = fields(version=np.int64(2), tokens=np.array([7, 2], np.int32))
-    f |= tr.geometry_fields(GEOMETRY)
+    f |= trace_fields.geometry_fields(GEOMETRY)
     f.update(over)
     return f
 

@@ -1,4 +1,4 @@
-"""jaxkv.transfer: bulk block reads and writes under every mechanism and memory kind, and the
+"""jaxkv.cache.transfer: bulk block reads and writes under every mechanism and memory kind, and the
 cache paths built on them (property tests: no block lost, duplicated or altered; kinds kept)."""
 
 import dataclasses
@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from jaxkv import cache as kvc
-from jaxkv import transfer as tr
+from jaxkv.cache import transfer as tr
 from jaxkv.config import CacheConfig
+from pallas_kernels import common
 
 KINDS = ("pinned_host", "unpinned_host", "device")
 
@@ -56,9 +57,9 @@ def test_read_and_write_blocks(fetch, kind):
 
 def test_resolve_fetch_and_compile_target():
     assert tr.resolve_fetch("auto") == "xla"  # CPU
-    with tr.compile_target("gpu"):
+    with common.compile_target("gpu"):
         assert tr.resolve_fetch("auto") == tr.GPU_AUTO
-        assert tr.target_platform() == "gpu"
+        assert common.target_platform() == "gpu"
     assert tr.resolve_fetch("pallas") == "pallas"
     with pytest.raises(ValueError, match=r"unknown fetch mechanism 'dma'"):
         tr.resolve_fetch("dma")
@@ -102,7 +103,7 @@ def test_host_pool_over_the_gpu_limit_fails_before_allocating(monkeypatch):
     monkeypatch.setenv(kvc.GPU_HOST_LIMIT_VAR, "lots")
     with pytest.raises(ValueError, match=r"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB='lots' is not"):
         kvc.check_host_pool(cfg, platform="gpu")
-    with tr.compile_target("gpu"), pytest.raises(ValueError, match=r"pinned host memory"):
+    with common.compile_target("gpu"), pytest.raises(ValueError, match=r"pinned host memory"):
         monkeypatch.delenv(kvc.GPU_HOST_LIMIT_VAR)
         kvc.TieredKVCache.create(cfg)
 
@@ -283,7 +284,7 @@ def test_first_kernel_trace_recompiles_nothing():
     import sys
 
     code = (
-        "import jax, jax.numpy as jnp, jaxkv.transfer\n"
+        "import jax, jax.numpy as jnp, jaxkv.cache.transfer\n"
         "f = jax.jit(lambda x: x * 2); f(jnp.ones(3))\n"
         "from pallas_kernels.host_transfer import gather_rows\n"
         "gather_rows(jnp.ones((4, 8)), jnp.arange(2, dtype=jnp.int32), interpret=True)\n"

@@ -15,10 +15,10 @@ import os
 import pathlib
 import sys
 
-from jaxkv import presets
 from jaxkv.config import check_number
-from jaxkv.policies import FOLLOW_ADMITS
-from jaxkv.presets import split_name
+from jaxkv.placement import presets
+from jaxkv.placement.policies import FOLLOW_ADMITS
+from jaxkv.placement.presets import split_name
 
 # The numeric arguments `simulate` checks: name -> `jaxkv.config.check_number` bounds (None is
 # allowed where the argument's default is None). `jaxkv simulate` checks its options by them.
@@ -57,8 +57,8 @@ def check_args(values: dict, label=lambda name: name) -> None:
 def check_policies(policies, label: str = "policies") -> dict:
     """Checks `simulate`'s policies before any work and returns them as {label: a preset name
     or a policy object}. `policies` is a list whose items are preset names (see
-    `jaxkv.sim.simulate`'s module docstring) or policy objects (`jaxkv.policies.Policy`, e.g. a
-    composed `Anneal`: labelled by their `name`), or a dict {label: name or policy} (two
+    `jaxkv.sim.simulate`'s module docstring) or policy objects (`jaxkv.placement.policies.Policy`,
+    e.g. a composed `Anneal`: labelled by their `name`), or a dict {label: name or policy} (two
     variants of one preset side by side). "paper-sa" (its grid) and "unlimited" (the bound)
     are labelled by their own names only. ValueError / TypeError names the bad entry and
     what is expected."""
@@ -162,7 +162,7 @@ def load_policy(spec: str, label: str = "--policies"):
 def check_policy_kwargs(policy_kwargs: dict | None, entries: dict) -> None:
     """Checks `simulate`'s policy_kwargs ({label: {knob: value}}): each label one of
     `entries` (`check_policies`) whose value is an anneal preset name, each knob one of
-    `jaxkv.presets.KNOBS`. (A policy object carries its knobs itself.)"""
+    `jaxkv.placement.presets.KNOBS`. (A policy object carries its knobs itself.)"""
     named = [k for k, v in entries.items() if isinstance(v, str) and v.startswith("anneal")]
     for n, kw in (policy_kwargs or {}).items():
         if n in entries and not isinstance(entries[n], str):
@@ -177,11 +177,12 @@ def check_policy_kwargs(policy_kwargs: dict | None, entries: dict) -> None:
         bad = sorted(set(kw) - set(presets.KNOBS))
         if bad:
             raise ValueError(
-                f"policy_kwargs[{n!r}]: {bad} are not anneal knobs (`jaxkv.presets.KNOBS`)"
+                f"policy_kwargs[{n!r}]: {bad} are not anneal knobs "
+                "(`jaxkv.placement.presets.KNOBS`)"
             )
 
 
 def check_follow_admit(follow_admit: str | None) -> None:
-    """Checks `simulate`'s follow_admit: None or one of `jaxkv.policies.FOLLOW_ADMITS`."""
+    """Checks `simulate`'s follow_admit: None or one of `jaxkv.placement.policies.FOLLOW_ADMITS`."""
     if follow_admit is not None and follow_admit not in FOLLOW_ADMITS:
         raise ValueError(f"follow_admit must be one of {FOLLOW_ADMITS}, got {follow_admit!r}")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 from jaxkv import cost
+from jaxkv.cache.quant import FP8_MODES
 from jaxkv.config import AnnealConfig, HardwareProfile, check_number
-from jaxkv.policies import FOLLOW_ADMITS
-from jaxkv.presets import NOW_SPREAD, NOW_WINDOW, split_policies
-from jaxkv.quant import FP8_MODES
+from jaxkv.placement.policies import FOLLOW_ADMITS
+from jaxkv.placement.presets import NOW_SPREAD, NOW_WINDOW, split_policies
 from jaxkv.sim import sizing
 from jaxkv.sim import trace as tr
 from jaxkv.sim.checks import ARG_BOUNDS, check_args, check_policies, load_policy
@@ -175,7 +175,7 @@ def add_simulation_args(p, *, geometry: str | None = "llama3-8b", chunk: int = 1
         type=float,
         default=NOW_SPREAD,
         help="anneal+now: later steps priced at their expected time with this multiple of the "
-        "forecast's deviation (jaxkv.pricing.Spread); 0 = the max of expected loads",
+        "forecast's deviation (jaxkv.placement.pricing.Spread); 0 = the max of expected loads",
     )
     p.add_argument("--oracle-window", type=int, default=3, help="anneal-oracle lookahead W")
     p.add_argument(
@@ -196,30 +196,30 @@ def add_simulation_args(p, *, geometry: str | None = "llama3-8b", chunk: int = 1
         type=int,
         default=DUAL_WINDOW,
         help="anneal-oracle+dual lookahead W (its blocks' value after the window comes from the "
-        "LP dual: jaxkv.sim.lp_bound.dual_values)",
+        "LP dual: jaxkv.sim.lp.dual.dual_values)",
     )
     p.add_argument(
         "--follow-window",
         type=int,
         default=FOLLOW_WINDOW,
         help="anneal+follow: steps between its plans, and their lookahead W (between plans a "
-        "per-step rule follows the target: jaxkv.policies.follow_moves)",
+        "per-step rule follows the target: jaxkv.placement.policies.follow_moves)",
     )
     p.add_argument(
         "--follow-admit",
         choices=FOLLOW_ADMITS,
         default=None,
         help="anneal+follow: which host blocks a step reads its rule may promote "
-        "(jaxkv.policies.follow_moves): every one (read), one that outranks its victim "
+        "(jaxkv.placement.policies.follow_moves): every one (read), one that outranks its victim "
         "(ranked), the target's only (target), or one read more often than its victim, the "
-        "plan unused (value, lrfu's rule); default: the preset's (jaxkv.policies.Follow)",
+        "plan unused (value, lrfu's rule); default: the preset's (jaxkv.placement.policies.Follow)",
     )
     p.add_argument(
         "--ride",
         type=float,
         default=None,
         help="anneal policies: share of later re-plans priced in (promotion at a block's first "
-        "read; jaxkv.pricing.Ride), 0 = a plan's placement held over its window; "
+        "read; jaxkv.placement.pricing.Ride), 0 = a plan's placement held over its window; "
         "default: each policy's own (0 for anneal, 1 for +now / +follow)",
     )
     p.add_argument("--chains", type=int, default=AnnealConfig().chains, help="anneal chains")
@@ -235,7 +235,8 @@ def add_simulation_args(p, *, geometry: str | None = "llama3-8b", chunk: int = 1
         "--fp8",
         choices=FP8_MODES,
         default="off",
-        help="host: host-tier blocks are FP8 with per-block scales (jaxkv.quant), so they cross "
+        help="host: host-tier blocks are FP8 with per-block scales (jaxkv.cache.quant), so "
+        "they cross "
         "the link at about half the bytes; age: every placed block is FP8 in both tiers (the "
         "decode loop's full-precision ring of recent blocks is not simulated)",
     )
@@ -323,7 +324,7 @@ def add_cli(sub) -> None:
     p.add_argument(
         "--policies",
         default="static,lru,page,paper-sa,anneal,anneal-oracle,unlimited",
-        help="comma-separated preset names (jaxkv.presets), or module:attribute (or "
+        help="comma-separated preset names (jaxkv.placement.presets), or module:attribute (or "
         "file.py:attribute) naming a policy object, e.g. a composed policies.Anneal, imported "
         "from the working directory and reported under its name",
     )

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxkv.forecasts import Forecast
-from jaxkv.importance import Stats, init_stats, update_stats
+from jaxkv.placement.forecasts import Forecast
+from jaxkv.placement.statistics import Stats, init_stats, update_stats
 from jaxkv.sim.trace import read_mask
 
 NUM_FEATURES = 6
@@ -154,7 +154,7 @@ def precision_recall(params, x, y, window: int = 50, threshold: float = 1.0):
 
 @dataclasses.dataclass(frozen=True)
 class LearnedForecast:
-    """A forecaster part for `jaxkv.policies.Anneal`: the logistic model with weights
+    """A forecaster part for `jaxkv.placement.policies.Anneal`: the logistic model with weights
     `params` = (w_0, ..., w_5, b) (`train_learned`'s "w" then "b"), flat over the window. Its
     features need the prompt length and block size: the plan's `CostModel` gives them."""
 

@@ -4,21 +4,21 @@ masks with the loop's cache, rules and costs.
 The trace simulator (`jaxkv.sim.replay`) models the paper's system: a plan at the start of a
 step, charged to that step, whose promotions of blocks the step reads ride on the read; a
 partial tail block; planning priced with its own `Setup.env`. The decode loop
-(`jaxkv.decode.Decoder`) differs in when and what it charges: it plans at the end of a step,
+(`jaxkv.Decoder`) differs in when and what it charges: it plans at the end of a step,
 after the step's reads, the follow rule's moves, the sealing of a full tail and the statistics'
 update, and charges that plan's migration (read over the link, never riding) to that step; the
 tail is read as a whole block; a follow policy's rule runs with the loop's migration budget.
 This module is that second model, built from the decode loop's own functions, so that the
 two cannot drift apart:
 
-  reads and their bytes   `jaxkv.decode_state.read_bytes` (the tail and the FP8 ring in HBM)
-  the follow rule         `jaxkv.policies.follow_moves`, budget min(max_moves, N)
-  a sealed block          `jaxkv.slot_ops.seal_keeps` (HBM while the pool has a free slot)
-  the statistics          `jaxkv.importance.update_stats`
-  the plan                `jaxkv.decode_observation.observe` -> `policy.plan` in the Decoder's
-                          `env`; `jaxkv.migration.plan_moves_masks`; the next W by
-                          `jaxkv.decode_state.next_window`
-  a step's cost           `jaxkv.decode_state.step_latency` (write-through: a demotion is free)
+  reads and their bytes   `jaxkv.decode.state.read_bytes` (the tail and the FP8 ring in HBM)
+  the follow rule         `jaxkv.placement.policies.follow_moves`, budget min(max_moves, N)
+  a sealed block          `jaxkv.cache.slots.seal_keeps` (HBM while the pool has a free slot)
+  the statistics          `jaxkv.placement.statistics.update_stats`
+  the plan                `jaxkv.placement.observation.observe` -> `policy.plan` in the Decoder's
+                          `env`; `jaxkv.cache.migration.plan_moves_masks`; the next W by
+                          `jaxkv.decode.state.next_window`
+  a step's cost           `jaxkv.decode.state.step_latency` (write-through: a demotion is free)
 
 `record` runs a Decoder's steps one at a time and keeps each step's reads (`LoopRecord`). A
 sparse selection depends on the logical blocks, not on where they live, so one placement's
@@ -44,13 +44,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import cost
-from jaxkv import importance as imp
 from jaxkv._pytree import pytree_dataclass, replace, static_field
-from jaxkv.cache_layout import ring_window
+from jaxkv.cache.layout import ring_window
+from jaxkv.cache.migration import plan_moves_masks
+from jaxkv.cache.slots import seal_keeps
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.cost import CostModel
-from jaxkv.decode_observation import layer_windows, observe, placeable_blocks
-from jaxkv.decode_state import (
+from jaxkv.decode.state import (
     PlacementState,
     copied_demotions,
     new_window,
@@ -59,10 +59,10 @@ from jaxkv.decode_state import (
     step_latency,
     token_write_bytes,
 )
-from jaxkv.migration import plan_moves_masks
-from jaxkv.policies import follow_moves, moves_mask
+from jaxkv.placement import statistics as imp
+from jaxkv.placement.observation import layer_windows, observe, placeable_blocks
+from jaxkv.placement.policies import follow_moves, moves_mask
 from jaxkv.sim.bounds import cache_bound_seconds, min_link_crossings
-from jaxkv.slot_ops import seal_keeps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,13 +73,13 @@ class LoopSetup:
     model_config: Any  # only its sliding windows are read (`layer_windows`)
     placement: PlacementConfig
     policy: Any
-    env: CostModel  # what plans are priced in (`jaxkv.decode_setup.plan_env`)
+    env: CostModel  # what plans are priced in (`jaxkv.decode.setup.plan_env`)
     profile: HardwareProfile
     weight_bytes: float  # HBM bytes of one layer's weights per step
 
     @classmethod
     def of(cls, decoder, *, policy=None) -> LoopSetup:
-        """The setup of `decoder` (a `jaxkv.decode.Decoder`), with `policy` in place of its own
+        """The setup of `decoder` (a `jaxkv.Decoder`), with `policy` in place of its own
         if given (a policy object built for the same env, e.g. another Decoder's `.policy`)."""
         return cls(
             cache_config=decoder.cache_config,
@@ -135,7 +135,7 @@ class LoopReplay:
     plans: int
 
     def summary(self) -> dict:
-        """Totals, as `jaxkv.decode_state.summarize` names them (batch from `in_hbm`)."""
+        """Totals, as `jaxkv.summarize` names them (batch from `in_hbm`)."""
         return summarize_metrics(self.metrics, self.in_hbm.shape[1])
 
 

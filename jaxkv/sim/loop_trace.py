@@ -4,7 +4,7 @@ trace's model would run with a tiered cache, without the model.
 `trace_setup` builds the cache a Decoder would have for the trace (one sequence of the trace's
 prompt and steps; a modeled batch of B identical sequences, as the trace simulator's `--batch`,
 is one sequence with B times the KV bytes per token) and the policy as the Decoder builds it
-(`jaxkv.decode_setup.live_policy` in `plan_env`); `trace_record` turns the trace's attention
+(`jaxkv.decode.setup.live_policy` in `plan_env`); `trace_record` turns the trace's attention
 mass into a `LoopRecord`: each step reads its top ceil((1 - s) x sealed) sealed blocks by mass
 (`jaxkv.sim.trace.read_mask`, as the simulator and a Quest-style selection) and its tail, from
 the placement a Decoder's prefill leaves (HBM in write order). `jaxkv.sim.loop.replay` and
@@ -16,11 +16,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import importance as imp
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.cost import Geometry
-from jaxkv.decode_setup import live_policy, plan_env
-from jaxkv.decode_state import new_window
+from jaxkv.decode.setup import live_policy, plan_env
+from jaxkv.decode.state import new_window
+from jaxkv.placement import statistics as imp
 from jaxkv.sim.loop import LoopMetrics, LoopRecord, LoopSetup, LoopStart
 from jaxkv.sim.trace import read_mask
 

@@ -3,12 +3,12 @@ simulator only.
 
 Policies: `Page` (the paper's Quest-like baseline, one-step lookahead), `PaperSA` (the paper's
 SA-guided heuristic) and `Unlimited` (the Unlimited-HBM bound, not a placement).
-Forecasters for `jaxkv.policies.Anneal`: `Oracle` (the true future reads) and `Visits` (the
-true reads of the visits in progress only: what an online forecaster that knows how long a
+Forecasters for `jaxkv.placement.policies.Anneal`: `Oracle` (the true future reads) and `Visits`
+(the true reads of the visits in progress only: what an online forecaster that knows how long a
 visit lasts, but not when one starts, could do).
 Terminal values for `Anneal.values`, chained in order (each gets the value so far):
 `BeladyTail` (a resident block needed again later is worth its next read), `Dual` (the LP
-dual's value-to-go, `jaxkv.sim.lp_bound`) and `Overflow` (where the first step overflows the
+dual's value-to-go, `jaxkv.sim.lp.bound`) and `Overflow` (where the first step overflows the
 pool or is link-bound, every block is worth all its later reads).
 """
 
@@ -18,11 +18,11 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jaxkv import importance as imp
 from jaxkv.config import check_number
 from jaxkv.cost import CostModel
-from jaxkv.forecasts import Forecast, require_forecast
-from jaxkv.policies import Observation, PolicyBase, top_capacity
+from jaxkv.placement import statistics as imp
+from jaxkv.placement.forecasts import Forecast, require_forecast
+from jaxkv.placement.policies import Observation, PolicyBase, top_capacity
 
 
 def oracle_forecast(future_reads, window=None):
@@ -144,7 +144,7 @@ class BeladyTail:
 @dataclasses.dataclass(frozen=True)
 class Dual:
     """Every block's terminal value is obs.value_to_go at the window's last step
-    (`jaxkv.sim.lp_bound.dual_values`: the block's cost after the window on host over in HBM,
+    (`jaxkv.sim.lp.dual.dual_values`: the block's cost after the window on host over in HBM,
     from the LP relaxation of the whole run priced by its Lagrangian dual), in place of the
     value so far. Needs the Oracle forecast and a fixed window."""
 
@@ -164,7 +164,7 @@ class Dual:
             got = None if obs.value_to_go is None else tuple(obs.value_to_go.shape)
             raise ValueError(
                 f"the Dual terminal value needs obs.value_to_go of shape [>= {h}, layers, N] "
-                f"(`jaxkv.sim.lp_bound.dual_values`); got {got}"
+                f"(`jaxkv.sim.lp.dual.dual_values`); got {got}"
             )
         return jnp.where(obs.valid, obs.value_to_go[h - 1], 0.0)
 

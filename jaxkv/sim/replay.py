@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import cost
-from jaxkv import importance as imp
 from jaxkv._pytree import pytree_dataclass, static_field
 from jaxkv.config import HardwareProfile
-from jaxkv.policies import Observation, follow_moves, moves_mask
+from jaxkv.placement import statistics as imp
+from jaxkv.placement.policies import Observation, follow_moves, moves_mask
 from jaxkv.sim.trace import read_mask
 
 
@@ -145,7 +145,7 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0, va
       mass: [chunk + H, layers, N] float32, attention mass of these steps and the next H.
       t0: [] int32.
       values: [chunk + H, layers, N] float32 seconds, the LP dual's value-to-go of these steps
-        and the next H (`jaxkv.sim.lp_bound.trace_dual_values`), for policies with `needs_values`.
+        and the next H (`jaxkv.sim.lp.dual.trace_dual_values`), for policies with `needs_values`.
     Returns:
       SimState.
     """

@@ -1,4 +1,4 @@
-"""Trace-driven simulator: the policies of `jaxkv.presets` judged by `jaxkv.cost`'s model.
+"""Trace-driven simulator: the policies of `jaxkv.placement.presets` judged by `jaxkv.cost`'s model.
 
 Unit: a block of `block_size` tokens of one layer (block_size=1 = the paper's token granularity).
 Per decode step t (context P + t + 1 tokens, P = prompt length):
@@ -21,19 +21,20 @@ Per decode step t (context P + t + 1 tokens, P = prompt length):
 The loop runs chunk by chunk (tqdm bar); each chunk is one jit-compiled `lax.scan` over steps per
 policy, planning inside it with `lax.cond`; the reads of a chunk are computed once and shared.
 
-Policy names: the presets of `jaxkv.presets` (a base with modifiers), built by `make_policy` in
-the simulator's cost model (a policy object, e.g. a composed `Anneal`, runs as it is: `simulate`'s
-`policies`). `anneal` / `anneal-oracle` take `+aw` (adaptive window,
-`jaxkv.pricing.AdaptiveWindow`) and `+ec` (forecast-error compensation, `Compensate`), e.g.
-`anneal+aw+ec`; `anneal` also takes `+reuse` (the re-read law learned online as its forecast,
-`jaxkv.forecasts.Reuse`, with the reads it cannot place charged to the link:
-`jaxkv.pricing.Unforeseen`), `+now` (the plan sees the read set of the step it plans for, Page's
-one-step lookahead: `jaxkv.forecasts.Now`, priced with `Ride` 1 and its later steps at their
-expected time, `jaxkv.pricing.Spread` k = `now_spread`) or `+follow` (`jaxkv.policies.Follow`,
-what the decode loop runs in place of `+now`, whose annealer would sit on each layer's critical
-path: every `follow_window` steps the annealer plans a target for all layers between steps and
-nothing moves then; at every step the vector rule `jaxkv.policies.follow_moves` promotes, per
-layer, host blocks the step reads (its admit rule, `follow_admit`: "read" every one; "ranked"
+Policy names: the presets of `jaxkv.placement.presets` (a base with modifiers), built by
+`make_policy` in the simulator's cost model (a policy object, e.g. a composed `Anneal`, runs as it
+is: `simulate`'s `policies`). `anneal` / `anneal-oracle` take `+aw` (adaptive window,
+`jaxkv.placement.pricing.AdaptiveWindow`) and `+ec` (forecast-error compensation, `Compensate`),
+e.g. `anneal+aw+ec`; `anneal` also takes `+reuse` (the re-read law learned online as its forecast,
+`jaxkv.placement.forecasts.Reuse`, with the reads it cannot place charged to the link:
+`jaxkv.placement.pricing.Unforeseen`), `+now` (the plan sees the read set of the step it plans for,
+Page's one-step lookahead: `jaxkv.placement.forecasts.Now`, priced with `Ride` 1 and its later steps
+at their expected time, `jaxkv.placement.pricing.Spread` k = `now_spread`) or `+follow`
+(`jaxkv.placement.policies.Follow`, what the decode loop runs in place of `+now`, whose annealer
+would sit on each layer's critical path: every `follow_window` steps the annealer plans a target for
+all layers between steps and nothing moves then; at every step the vector rule
+`jaxkv.placement.policies.follow_moves` promotes, per layer, host blocks the step reads (its admit
+rule, `follow_admit`: "read" every one; "ranked"
 one that outranks its victim, `Follow`'s default and so the decode loop's; "target" only those
 the target marks for HBM), each charged one block of HBM write and no link transfer, the read
 that carries it being a host read, and demotes, only to make room beyond the free slots,
@@ -44,7 +45,7 @@ in `vs_unlimited_with_plan`); `anneal-oracle` takes `+visits` (a diagnostic: the
 only how long each visit in progress lasts, not when one starts, `jaxkv.sim.oracles.Visits`: how
 much of the online planners' gap no forecast of visit lengths can close) and `+dual` (the value
 of a block after the oracle's window from the LP relaxation's dual prices over the whole run,
-`jaxkv.sim.lp_bound.trace_dual_values`, in place of Belady's next read: `jaxkv.sim.oracles.Dual`;
+`jaxkv.sim.lp.dual.trace_dual_values`, in place of Belady's next read: `jaxkv.sim.oracles.Dual`;
 solved once before the run). `paper-sa` runs every (lookahead, fraction) pair of `PAPER_SA_GRID`
 and reports the best (the oracle tuning of its two knobs). `unlimited` is the bound of
 `jaxkv.cost.unlimited_step_time`.
@@ -77,12 +78,13 @@ import time
 import jax
 import numpy as np
 
-from jaxkv import cost, presets
+from jaxkv import cost
+from jaxkv.cache.quant import FP8_MODES, fp8_block_bytes
 from jaxkv.config import AnnealConfig, HardwareProfile
-from jaxkv.policies import Anneal
-from jaxkv.presets import NOW_SPREAD, NOW_WINDOW
-from jaxkv.pricing import Ride
-from jaxkv.quant import FP8_MODES, fp8_block_bytes
+from jaxkv.placement import presets
+from jaxkv.placement.policies import Anneal
+from jaxkv.placement.presets import NOW_SPREAD, NOW_WINDOW
+from jaxkv.placement.pricing import Ride
 from jaxkv.sim import bounds as bnd
 from jaxkv.sim import sizing
 from jaxkv.sim.checks import (
@@ -101,7 +103,7 @@ DUAL_WINDOW = 2  # W of `anneal-oracle+dual` (measured against 1 and 3: bench/RE
 # W of the `+follow` policies: the steps between their plans and their lookahead (measured
 # against 8 and 16, with and without the plan time charged: bench/notebook/2026-12-01-follow.md)
 FOLLOW_WINDOW = 4
-# the simulate() arguments that are `jaxkv.presets.Settings` fields of the same name
+# the simulate() arguments that are `jaxkv.placement.presets.Settings` fields of the same name
 _SETTINGS = (
     "window",
     "interval",
@@ -119,9 +121,9 @@ _SETTINGS = (
 
 
 def make_policy(name: str, setup: Setup, settings=None, *, anneal_config=None, **overrides):
-    """The policy `name` (`jaxkv.presets`) for the simulator's cost model (`Setup.env`), under
-    `settings` (`jaxkv.presets.Settings`; default Settings()) with knob `overrides`
-    (`jaxkv.presets.KNOBS`; `anneal_config` is the `config` knob)."""
+    """The policy `name` (`jaxkv.placement.presets`) for the simulator's cost model (`Setup.env`),
+    under `settings` (`jaxkv.placement.presets.Settings`; default Settings()) with knob `overrides`
+    (`jaxkv.placement.presets.KNOBS`; `anneal_config` is the `config` knob)."""
     if anneal_config is not None:
         overrides["config"] = anneal_config
     return presets.resolve(name, setup.env, settings or presets.Settings(), **overrides)
@@ -221,7 +223,7 @@ def simulate(
     Args:
       trace: a FileTrace or SyntheticTrace (`jaxkv.sim.trace`).
       policies: a list of preset names (see the module docstring) and policy objects
-        (`jaxkv.policies.Policy`, e.g. a composed `policies.Anneal`, reported under its
+        (`jaxkv.placement.policies.Policy`, e.g. a composed `policies.Anneal`, reported under its
         `name`), or a dict {label: name or policy}, e.g. {"w8": "anneal", "w16": "anneal"}
         with policy_kwargs per label: two variants of one preset in one run. A policy
         object is run as it is: the settings below (window, ...) shape the named presets only.
@@ -250,7 +252,7 @@ def simulate(
       now_window: W of the `+now` policies (they know the step they plan for and price later
         steps as re-plans, so a short lookahead; default `NOW_WINDOW`, measured:
         bench/RESULTS.md).
-      now_spread: the `+now` policies' `jaxkv.pricing.Spread` k (the later steps priced at
+      now_spread: the `+now` policies' `jaxkv.placement.pricing.Spread` k (the later steps priced at
         their expected time under the forecast's uncertainty; 0 = the max of the expected
         loads).
       oracle_window, oracle_discount: W and discount of anneal-oracle (with the true future a
@@ -264,11 +266,12 @@ def simulate(
         there (`jaxkv.sim.oracles.BeladyTail`, `Overflow`; 0 = off).
       dual_window: W of `anneal-oracle+dual` (its discount is oracle_discount).
       follow_window: W of the `+follow` policies: they plan a target every W steps (interval 0)
-        over a W-step window and follow it at every step (`jaxkv.policies.follow_moves`).
-      follow_admit: the `+follow` policies' admit rule (`jaxkv.policies.follow_moves`:
-        "read", "ranked" or "target"); None = `jaxkv.policies.Follow`'s default ("ranked").
-      ride: the anneal policies' receding-horizon pricing (`jaxkv.pricing.Ride` share); None =
-        each preset's own (0 for `anneal`, 1 for `+now` / `+follow`), 0.0 a real value.
+        over a W-step window and follow it at every step (`jaxkv.placement.policies.follow_moves`).
+      follow_admit: the `+follow` policies' admit rule (`jaxkv.placement.policies.follow_moves`:
+        "read", "ranked" or "target"); None = `jaxkv.placement.policies.Follow`'s default
+        ("ranked").
+      ride: the anneal policies' receding-horizon pricing (`jaxkv.placement.pricing.Ride` share);
+        None = each preset's own (0 for `anneal`, 1 for `+now` / `+follow`), 0.0 a real value.
       anneal_config: schedule of the anneal policies.
       paper_sa_grid: (lookaheads, fractions) searched for paper-sa.
       steps: simulate the first `steps` steps only.
@@ -277,9 +280,10 @@ def simulate(
       time_plans: measure one compiled plan per policy (plan_seconds; 0 when False).
       cache_bound_max_bytes: the cache bound keeps every step's reads bit-packed (steps x
         layers x N / 8 bytes); above this it is skipped (cache_s and best_s None).
-      policy_kwargs: {label: {knob: value}}, knobs of an anneal preset (`jaxkv.presets.KNOBS`,
-        e.g. budget, error_threshold, min_window) set for that label after everything above (a
-        sweep over one policy's knobs); only for labels of anneal preset names.
+      policy_kwargs: {label: {knob: value}}, knobs of an anneal preset
+        (`jaxkv.placement.presets.KNOBS`, e.g. budget, error_threshold, min_window) set for that
+        label after everything above (a sweep over one policy's knobs); only for labels of
+        anneal preset names.
     Returns:
       {"policies": {name: {latency_s, tokens_per_s, speedup_vs_static, vs_unlimited,
         hbm_hit_rate, migrated_bytes, plan_seconds, ...}}, "bounds": {...}, "setup": {...,
@@ -381,7 +385,7 @@ def _setup(trace, profile, geometry, pool: dict, demote_cost, keep_fetched, fp8=
     """(geometry, Setup, the option that sized the pool): the HBM pool per layer from `pool`
     (hbm_budget, capacity_blocks, hbm_fraction: `jaxkv.sim.sizing.pool_blocks`, the geometry it
     sizes), at most the trace's blocks; the bytes of the geometry's batch (`Geometry.batch`);
-    under fp8="host" host blocks move at `jaxkv.quant.fp8_block_bytes`, under fp8="age" every
+    under fp8="host" host blocks move at `jaxkv.cache.quant.fp8_block_bytes`, under fp8="age" every
     placed block is priced so in both tiers (modeled: the decode loop's full-precision ring of
     recent blocks, `fp8_age`, is not simulated; its blocks are priced as FP8 too)."""
     geometry, capacity_blocks, sized_by = sizing.pool_blocks(trace, geometry, **pool)
@@ -438,9 +442,9 @@ def _packed_reads(setup: Setup, n_steps: int, max_bytes: float):
 
 def _dual_pass(trace, sparsity, setup: Setup, geometry, n_steps, rules: dict, progress):
     """(values [steps, L, N] float32 seconds, wall seconds): the LP dual's value-to-go over the
-    whole run (`jaxkv.sim.lp_bound.trace_dual_values`), for the policies with `needs_values`;
+    whole run (`jaxkv.sim.lp.dual.trace_dual_values`), for the policies with `needs_values`;
     `rules` the simulator's demote_cost and keep_fetched."""
-    from jaxkv.sim import lp_bound  # on demand: the LP machinery only +dual needs
+    from jaxkv.sim import lp as lp_bound
 
     w0 = time.perf_counter()
     values = lp_bound.trace_dual_values(

@@ -13,7 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxkv.policies import Observation, follow_moves, moves_mask
+from jaxkv.placement.policies import Observation, follow_moves, moves_mask
 from jaxkv.sim.replay import Setup, SimState
 
 

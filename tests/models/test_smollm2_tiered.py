@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxkv import Decoder
 from jaxkv.config import CacheConfig, PlacementConfig
-from jaxkv.decode import Decoder
 from models.demo import chat_demo_prompt
 from models.generate import load_model
 

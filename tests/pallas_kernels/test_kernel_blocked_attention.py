@@ -205,9 +205,11 @@ def test_plan_compacts_attended_blocks_in_order():
     mask = jnp.asarray([[True, False, True, True, False], [False] * 5])
     lengths = jnp.asarray([50, 80], jnp.int32)  # row 0: block 3 starts at 48 < 50, 2 tokens
     meta = np.asarray(
-        ba.plan_blocks(table, mask, lengths, block_size=16, num_slots=8, num_splits=2, per_split=4)
+        paging.plan_blocks(
+            table, mask, lengths, block_size=16, num_slots=8, num_splits=2, per_split=4
+        )
     )
-    assert meta.shape == (2, 2, ba.meta_row_len(4))
+    assert meta.shape == (2, 2, paging.meta_row_len(4))
     np.testing.assert_array_equal(meta[0, :, 0], [3, 0])  # blocks per split
     np.testing.assert_array_equal(meta[0, 0, 4:8], [7, 5, 4, 0])  # slots, logical order
     np.testing.assert_array_equal(meta[0, 0, 8:12], [16, 16, 2, 0])  # valid tokens
@@ -222,7 +224,7 @@ def test_plan_skips_blocks_before_the_window():
     mask = jnp.ones((1, 5), bool)
     lengths, starts = jnp.asarray([70], jnp.int32), jnp.asarray([37], jnp.int32)
     meta = np.asarray(
-        ba.plan_blocks(
+        paging.plan_blocks(
             table,
             mask,
             lengths,

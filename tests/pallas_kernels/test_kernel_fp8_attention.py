@@ -255,7 +255,7 @@ def test_lowers_for_cuda(dtype, head_dim, block_size, layers):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_compiles_for_h200(dtype):
     """ptxas accepts the fp8 kernel for sm_90a (deviceless H200 compile)."""
-    from jaxkv import gpu_compile as gc
+    from jaxkv.gpu import aot as gc
 
     if not gc.plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install -e .[gpu-compile])")

@@ -7,7 +7,7 @@ recorded (lru, W 1; `jaxkv.sim.loop.record`) and every policy is replayed on its
 (`jaxkv.sim.loop.replay`, equal to a policy's own decode to 1e-6 on its own record; another
 policy's record differs from it at rounding level only), with the bounds of
 `jaxkv.sim.loop.bounds`. Planning is charged as
-`jaxkv.decode.summarize` charges it: each policy's plan time on this CPU (`plan_seconds`, its own
+`jaxkv.summarize` charges it: each policy's plan time on this CPU (`plan_seconds`, its own
 decoder started from the same prefill) over the recorded decode's CPU step time, per window.
 
   python bench/notebook/scripts/batch16_live.py [--steps 32] [--hbm 0.10] [--profile P]
@@ -26,8 +26,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from jaxkv import Decoder  # noqa: E402
 from jaxkv.config import CacheConfig, PlacementConfig  # noqa: E402
-from jaxkv.decode import Decoder  # noqa: E402
 from jaxkv.sim import loop  # noqa: E402
 from models.generate import load_model  # noqa: E402
 

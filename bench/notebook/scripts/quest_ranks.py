@@ -25,9 +25,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import jaxkv.attention as att  # noqa: E402
+from jaxkv import Decoder  # noqa: E402
+from jaxkv import attention as att  # noqa: E402
 from jaxkv.config import CacheConfig, PlacementConfig  # noqa: E402
-from jaxkv.decode import Decoder  # noqa: E402
 from jaxkv.sim import loop  # noqa: E402
 
 STORE = []  # (layer, rank [B, M], k [B]) per layer call, in call order

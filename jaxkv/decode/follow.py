@@ -1,0 +1,109 @@
+"""The `follow` rule inside a decode step (`jaxkv.Decoder` with a "+follow" policy).
+
+A follow policy plans only a target placement, between steps. At every step, inside each
+layer's body, `follow_layer` runs the vector rule `jaxkv.placement.policies.follow_moves`: it
+promotes the host blocks the layer reads that the target marks for HBM, from the copies the read has
+just fetched (no second link read), and demotes, to make room, resident blocks the target leaves
+out. The layers' moves are gathered in per-layer lists, `FollowMoves`, carried through the layer
+scan; after the layers `apply_follow_moves` applies them all in one bulk migration. Without a follow
+policy the scan carries None in their place (`jaxkv.Decoder._run_layers`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import cache as kvc
+from jaxkv._pytree import pytree_dataclass, replace
+from jaxkv.config import TIER_HBM, CacheConfig
+from jaxkv.placement.policies import follow_moves
+
+
+@pytree_dataclass
+class FollowMoves:
+    """Every layer's follow moves of one step, K = min(max_moves, batch * max_blocks) a layer;
+    row l is layer l's (`follow_layer` writes it), entries past its count are unused."""
+
+    promote: jax.Array  # [layers, K] int32: the blocks (of batch * max_blocks) promoted to HBM
+    num_promote: jax.Array  # [layers] int32: entries of `promote` in use
+    demote: jax.Array  # [layers, K] int32: the resident blocks demoted to make room
+    num_demote: jax.Array  # [layers] int32: entries of `demote` in use
+    # [layers, K, block_size, kv_heads, head_dim] cache dtype: the keys of each promoted block,
+    # from the copies the layer's host read fetched (no second link read)
+    promoted_k: jax.Array
+    promoted_v: jax.Array  # [layers, K, block_size, kv_heads, head_dim]: their values
+
+
+def empty_follow_moves(c: CacheConfig, max_moves: int) -> FollowMoves:
+    """No moves yet, for every layer: the carry the layer scan starts from."""
+    L, N = c.num_layers, c.batch * c.max_blocks
+    K = max(0, min(max_moves, N))
+    blk = (c.block_size, c.kv_heads, c.head_dim)
+    zi, zn = jnp.zeros((L, K), jnp.int32), jnp.zeros((L,), jnp.int32)
+    zb = jnp.zeros((L, K, *blk), c.jnp_dtype)
+    return FollowMoves(
+        promote=zi, num_promote=zn, demote=zi, num_demote=zn, promoted_k=zb, promoted_v=zb
+    )
+
+
+def follow_layer(cache, layer, st, staged, pstate, fol: FollowMoves, stats, *, num_blocks, follow):
+    """The `follow` rule of one layer (traced `layer`) after its read: the promotions and
+    the demotions that make room for them (`jaxkv.placement.policies.follow_moves`), and the fetched
+    contents of the promoted blocks, written into the per-layer lists `fol`.
+
+    Args:
+      cache: the cache after this layer's token write.
+      st, staged: the layer's read statistics and staged host blocks (`tiered_attention` with
+        return_staging).
+      pstate: the policy's state (its `target` and `priority`, [layers, N], unless admit is
+        "value").
+      stats: the read statistics before this step (`jaxkv.placement.statistics.Stats`; admit="value"
+        ranks by their read frequency with this step's reads folded in).
+      num_blocks: N = batch * max_blocks.
+      follow: the policy's `Follow`."""
+    N = num_blocks
+    K = fol.promote.shape[1]
+    sealed = cache.sealed[layer].reshape(1, N)
+    in_hbm = sealed & (cache.tier[layer].reshape(1, N) == TIER_HBM)
+    reads = (st.read_hbm | st.read_host).reshape(1, N)
+    room = jnp.sum(cache.hbm_free[layer])[None]
+    target, priority, value = follow.inputs(
+        pstate, stats.read_ema[layer][None], reads, stats.decay, layer
+    )
+    pro, n_p, dem, n_d = follow_moves(
+        in_hbm, sealed, reads, target, priority, room, K, admit=follow.admit, value=value
+    )
+    sk, sv, stable = staged
+    at = jnp.take(stable.reshape(-1), pro[0])  # staging slot of each promoted block
+    return replace(
+        fol,
+        promote=fol.promote.at[layer].set(pro[0]),
+        num_promote=fol.num_promote.at[layer].set(n_p[0]),
+        demote=fol.demote.at[layer].set(dem[0]),
+        num_demote=fol.num_demote.at[layer].set(n_d[0]),
+        promoted_k=fol.promoted_k.at[layer].set(sk[at].astype(fol.promoted_k.dtype)),
+        promoted_v=fol.promoted_v.at[layer].set(sv[at].astype(fol.promoted_v.dtype)),
+    )
+
+
+def apply_follow_moves(cache, fol: FollowMoves, after_reads):
+    """The layers' follow moves, all at once, from the blocks they fetched (after the reads
+    of `after_reads`, the step's logits).
+
+    Returns:
+      (cache, promoted [layers] int32, demoted [layers] int32)."""
+    with jax.named_scope("follow"):
+        before = cache.in_hbm
+        moves = kvc.Moves(
+            demote=fol.demote,
+            promote=fol.promote,
+            num_demote=fol.num_demote,
+            num_promote=fol.num_promote,
+        )
+        fetched = (fol.promoted_k, fol.promoted_v)
+        cache, _ = kvc.migrate(cache, moves, after_reads=after_reads, fetched=fetched)
+        now = cache.in_hbm
+        promoted = jnp.sum(now & ~before, axis=(1, 2)).astype(jnp.int32)
+        demoted = jnp.sum(before & ~now, axis=(1, 2)).astype(jnp.int32)
+    return cache, promoted, demoted
