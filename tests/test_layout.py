@@ -198,3 +198,18 @@ print(bad)
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_every_package_data_glob_ships_a_file():
+    """pyproject's package-data globs (relative to their package) each match a file, so a
+    wheel carries what the code opens (e.g. the GPU target specs after a move)."""
+    import tomllib
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    empty = [
+        f"{pkg}: {g}"
+        for pkg, globs in data["package-data"].items()
+        for g in globs
+        if not any(p.is_file() for p in (ROOT / pkg).glob(g))
+    ]
+    assert empty == []
