@@ -165,7 +165,7 @@ ARGS = ["simulate", "--trace", "synthetic:recency-low", "--prompt-len", "40", "-
 ARGS += ["--layers", "2", "--block-size", "4", "--hbm-fraction", "0.25", "--no-progress"]
 
 POLICY_FILE = """
-from jaxkv import policies
+from jaxkv.placement import policies
 mine = policies.Reactive(name="mine")
 not_a_policy = 3
 """
