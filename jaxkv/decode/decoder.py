@@ -122,7 +122,7 @@ class Decoder:
         `jaxkv.decode.sharded.ShardedDecoder` composes through).
     """
 
-    graphdef: Any  # the nnx GraphDef, or the FunctionalModel
+    graphdef: Any = dataclasses.field(repr=False)  # the nnx GraphDef, or FunctionalModel
     model_config: Any
     cache_config: CacheConfig
     placement: PlacementConfig
@@ -133,7 +133,7 @@ class Decoder:
     impl: str
     ema_decay: float
     weight_bytes_per_layer: float
-    env: Any  # the CostModel a plan is priced in (`plan_env`)
+    env: Any = dataclasses.field(repr=False)  # the CostModel plans are priced in (`plan_env`)
     policy: Any  # the resolved placement policy (`live_policy`)
     per_device: PerDevice | None
 
