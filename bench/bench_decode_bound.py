@@ -54,7 +54,7 @@ from jaxkv.cost import unlimited_step_time
 from jaxkv.decode.setup import model_weight_bytes
 from models.llama import Llama, LlamaConfig
 from models.tiny import tiny_model
-from pallas_kernels.common import on_gpu
+from pallas_kernels.common import on_gpu, single_device_sharding
 
 TARGET_RATIO = 0.50  # of the two-tier bound, HBM 25% exact static at 32k
 QUICK = dict(model="tiny", context=2048, steps=8, window=4)  # the CPU smoke defaults
@@ -285,7 +285,7 @@ def prewarm_transfers(cfg: CacheConfig, fetches) -> None:
         if fetch != "pallas":
             continue
         shape = (1, 8, cfg.block_size, cfg.kv_heads, cfg.head_dim)
-        host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+        host = single_device_sharding(jax.devices()[0], memory_kind=kind)
         pool = jax.device_put(jnp.zeros(shape, cfg.jnp_dtype), host)
         rows = jnp.asarray([0, 3, -1, 5], jnp.int32)
 

@@ -42,7 +42,7 @@ from _progress import tqdm  # tqdm, or a stand-in where it is missing
 
 from jaxkv.cache.transfer import read_blocks, write_blocks
 from jaxkv.config import HBM_KIND, HOST_KIND
-from pallas_kernels.common import on_gpu
+from pallas_kernels.common import on_gpu, single_device_sharding
 
 MECHANISMS = ("xla", "pallas")
 DIRECTIONS = ("h2d", "d2h")
@@ -55,7 +55,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def _sharding(kind: str):
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+    return single_device_sharding(jax.devices()[0], memory_kind=kind)
 
 
 def median_seconds(fn, iters: int, warmup: int = 1) -> float:

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxkv.cache.quant import FP8, FP8_MODES, fp8_block_bytes
 from jaxkv.model_api import require_fields
+from pallas_kernels.common import single_device_sharding
 
 TIER_HBM = 0  # memory kind "device"
 TIER_HOST = 1  # memory kind "pinned_host"
@@ -436,7 +437,7 @@ class HardwareProfile:
         as bytes of a pinned_host -> device copy per second. Best of `repeats`.
         """
         dev = jax.devices()[0]
-        sharding = jax.sharding.SingleDeviceSharding(dev)
+        sharding = single_device_sharding(dev)
         n = nbytes // 4
         x = jax.device_put(jnp.ones((n,), jnp.float32), sharding)
         h = jax.device_put(x, sharding.with_memory_kind(HOST_KIND))

@@ -32,6 +32,16 @@ def target_platform() -> str:
     return _target or jax.default_backend()
 
 
+def single_device_sharding(device, memory_kind: str | None = None):
+    """A sharding placing a whole array on `device` in `memory_kind` (None: the default).
+    jax 0.12.1 deprecates constructing `jax.sharding.SingleDeviceSharding` directly in favour
+    of `make_single_device_sharding`; older releases (0.11.2 on the lent GPU) may lack it."""
+    make = getattr(jax.sharding, "make_single_device_sharding", None)
+    if make is not None:
+        return make(device, memory_kind=memory_kind)
+    return jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+
+
 def on_gpu() -> bool:
     return target_platform() in ("gpu", "cuda", "rocm")
 

