@@ -86,15 +86,18 @@ def test_finds_brute_force_optimum_in_95_percent_of_seeded_runs():
     assert hits >= 0.95 * runs, f"{hits}/{runs}"
 
 
-def test_annealing_improves_on_its_greedy_init():
+@pytest.mark.parametrize("seeds", [range(10), pytest.param(range(10, 20), marks=pytest.mark.slow)])
+def test_annealing_improves_on_its_greedy_init(seeds):
+    """Never above the greedy start; below it on some instances (seeds 2 and 9 of the first ten;
+    the second ten, in `make test-slow`, are all solved by the start)."""
     gaps = 0
-    for seed in range(20):
+    for seed in seeds:
         pr = problem(seed)
         g = float(anneal.energy(pr, anneal.greedy_init(pr))[0])
         e = anneal.run(pr, jax.random.key(seed)).energy
         assert float(e[0]) <= g * (1 + 1e-6)
         gaps += float(e[0]) < g * (1 - 1e-6)
-    assert gaps > 0  # the instances are not all solved by the init
+    assert gaps > 0 or seeds.start > 0  # the first ten are not all solved by the init
 
 
 @pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2))])

@@ -240,7 +240,7 @@ def test_follow_moves_only_blocks_the_step_read(tiny, admit):
     assert promotions > 0
 
 
-@pytest.mark.parametrize("host_tier", [WT, EX])
+@pytest.mark.parametrize("host_tier", [WT, pytest.param(EX, marks=pytest.mark.slow)])
 def test_migrations_load_both_sides_of_their_step(tiny, host_tier):
     """The modeled time of a step with follow migrations, recomputed by hand: per layer,
     max((weights + HBM reads + token write + copied) / B_hbm, (host reads + written back) /

@@ -234,7 +234,7 @@ def _tiny_demo(capsys, monkeypatch, tiny, *options):
     return rc, (json.loads(out.out) if rc != 2 else None), out.err
 
 
-@pytest.mark.parametrize("unit", ["blocks", "bytes"])
+@pytest.mark.parametrize("unit", ["blocks", pytest.param("bytes", marks=pytest.mark.slow)])
 def test_demo_hbm_in_blocks_or_bytes(capsys, monkeypatch, tiny, unit):
     """--hbm-blocks / --hbm-bytes size the policies' HBM (the all-HBM run stays whole); the
     header says what was given, the blocks per layer it makes and their share of the KV."""

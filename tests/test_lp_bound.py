@@ -194,7 +194,8 @@ def test_brute_force_is_the_simulators_optimum():
 
 
 @pytest.mark.parametrize(
-    "keep_fetched,demote_cost", [(False, 0.0), (True, 0.0), (False, 0.5), (True, 1.0)]
+    "keep_fetched,demote_cost",
+    [pytest.param(False, 0.0, marks=pytest.mark.slow), (True, 0.0), (False, 0.5), (True, 1.0)],
 )
 def test_lp_bound_below_brute_force_and_tight_where_integral(keep_fetched, demote_cost):
     """LP <= the exact optimum on random tiny instances; where the LP has an integral optimum
