@@ -16,7 +16,7 @@ import re
 import pytest
 
 from jaxkv.gpu import aot as gc
-from jaxkv.gpu import hlo
+from jaxkv.gpu import hlo as gpu_hlo
 
 pytestmark = pytest.mark.gpu_compile
 
@@ -70,7 +70,7 @@ def test_known_trip_count_multiplies_the_body():
   %g = f32[8]{0} get-tuple-element(%w), index=1
   ROOT %out = f32[8]{0} fusion(%g), kind=kLoop, calls=%fused_add""",
     )
-    a = hlo.analyze(text)
+    a = gpu_hlo.analyze(text)
     assert a["gpu_ops"] == 5 * 2 + 1  # body fusions x trip count + the final fusion
     assert a["unknown_trip_loops"] == 0 and a["host_syncs"] == 0 and a["loops"] == 1
     assert dict(a["loop_trips"]) == {5: 1}
@@ -86,7 +86,7 @@ def test_unknown_trip_loop_is_a_host_sync():
   %w = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%body
   ROOT %g = f32[8]{0} get-tuple-element(%w), index=1""",
     )
-    a = hlo.analyze(text)
+    a = gpu_hlo.analyze(text)
     assert a["unknown_trip_loops"] == 1 and a["host_syncs"] == 1
     assert a["gpu_ops"] == 2 + 1  # body and condition once each (per iteration)
 
@@ -106,7 +106,7 @@ def test_nested_unknown_loop_counts_per_outer_iteration():
   %w = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%obody, backend_config={"known_trip_count":{"n":"3"}}
   ROOT %g = f32[8]{0} get-tuple-element(%w), index=1""",
     )
-    a = hlo.analyze(text)
+    a = gpu_hlo.analyze(text)
     assert a["unknown_trip_loops"] == 3 and a["host_syncs"] == 3 and a["gpu_ops"] == 9
 
 
@@ -126,7 +126,7 @@ def test_host_dma_direction_and_async_slices():
   %hc = f32[64,8]{1,0:S(5)} fusion(%cd2), kind=kLoop, calls=%fused_add, frontend_attributes={_xla_compute_type="host"}
   ROOT %out = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_add""",
     )
-    a = hlo.analyze(text)
+    a = gpu_hlo.analyze(text)
     assert a["h2d"] == 3  # copy-start from host, async dynamic-slice from host, the kernel
     assert a["d2h"] == 1  # copy-start to host
     assert a["host_kernels"] == 1 and a["host_compute"] == 1
@@ -167,7 +167,7 @@ def test_conditional_takes_the_largest_branch_and_syncs():
   %c = (f32[8]{0}) conditional(%p, %t, %t), true_computation=%big, false_computation=%small
   ROOT %g = f32[8]{0} get-tuple-element(%c), index=0""",
     )
-    a = hlo.analyze(text)
+    a = gpu_hlo.analyze(text)
     assert a["gpu_ops"] == 3 and a["conditionals"] == 1 and a["host_syncs"] == 1
 
 
@@ -187,7 +187,7 @@ def test_conditional_in_a_command_buffer_is_no_sync():
   %p = pred[] parameter(1)
   ROOT %r = f32[8]{0} call(%x, %p), to_apply=%command_buffer""",
     )
-    a = hlo.analyze(text)
+    a = gpu_hlo.analyze(text)
     assert a["gpu_ops"] == 3 and a["conditionals"] == 1 and a["host_syncs"] == 0
     assert a["command_buffers"] == 1
 
@@ -203,7 +203,7 @@ def test_scope_counts_named_scope_transfers():
   %cd2 = f32[64,8]{1,0} copy-done(%cs2)
   ROOT %out = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_add""",
     )
-    a = hlo.analyze(text, scope="host_part")
+    a = gpu_hlo.analyze(text, scope="host_part")
     assert a["h2d"] == 2 and a["scope_h2d"] == 1 and a["scope_gpu_ops"] == 2
     # every executed op is attributed to its jax source path (jit frames dropped)
     assert a["ops_by_source"] == {
@@ -239,11 +239,13 @@ def test_program_ops_see_a_shape_dependent_branch_but_not_a_shape():
         return y.sum()
 
     def ops(n):
-        return hlo.program_ops(jax.jit(f).lower(jnp.zeros((n,), jnp.float32)).as_text())
+        return gpu_hlo.program_ops(jax.jit(f).lower(jnp.zeros((n,), jnp.float32)).as_text())
 
     assert ops(32) == ops(1024) and "stablehlo.exponential" in ops(32)
-    assert len(ops(8)) < len(ops(32)) and hlo.program_digest(ops(8)) != hlo.program_digest(ops(32))
-    assert hlo.program_digest(ops(32)) == hlo.program_digest(ops(1024))
+    assert len(ops(8)) < len(ops(32)) and gpu_hlo.program_digest(ops(8)) != gpu_hlo.program_digest(
+        ops(32)
+    )
+    assert gpu_hlo.program_digest(ops(32)) == gpu_hlo.program_digest(ops(1024))
 
     # jax shares a private function between calls of equal shapes: the list inlines them
     def g(x, y):
@@ -253,14 +255,14 @@ def test_program_ops_see_a_shape_dependent_branch_but_not_a_shape():
         return jax.jit(g).lower(jnp.zeros((n,)), jnp.zeros((m,))).as_text()
 
     assert text(8, 8).count("func.func private") < text(8, 16).count("func.func private")
-    assert hlo.program_ops(text(8, 8)) == hlo.program_ops(text(8, 16))
+    assert gpu_hlo.program_ops(text(8, 8)) == gpu_hlo.program_ops(text(8, 16))
     with pytest.raises(ValueError, match="public func.func"):
-        hlo.program_ops("module {}")
+        gpu_hlo.program_ops("module {}")
 
 
 def test_analyze_rejects_text_without_entry():
     with pytest.raises(ValueError, match="ENTRY"):
-        hlo.analyze("HloModule m\n")
+        gpu_hlo.analyze("HloModule m\n")
 
 
 def test_unknown_spec_is_a_value_error():
@@ -356,8 +358,8 @@ def _rows(bench, mode, policy, what):
 
 
 def _with_program(module, analysis):
-    """`analysis` plus the lowered program's operation list (`jaxkv.gpu.hlo.program_ops`)."""
-    return {**analysis, "program": hlo.program_ops(module.stablehlo_text)}
+    """`analysis` plus the lowered program's operation list (`jaxkv.gpu.gpu_hlo.program_ops`)."""
+    return {**analysis, "program": gpu_hlo.program_ops(module.stablehlo_text)}
 
 
 def _assert_must_hold(rows, fn, bench):
@@ -461,7 +463,7 @@ ENTRY %main (p: f32[8]) -> f32[8] {
   ROOT %r = f32[8]{0} fusion(%d, %b), kind=kLoop, calls=%f
 }
 """
-    assert hlo.overlap(hlo) == [2]
+    assert gpu_hlo.overlap(hlo) == [2]
 
 
 @needs_plugin
@@ -473,7 +475,7 @@ def test_host_reads_overlap_compute_in_the_schedule(bench):
         LAYERS, CONTEXTS[0], 1, "sparse", "static", shape=bench.SMALL, target="h200", what=["step"]
     )
     m, _ = res["step"]
-    ov = hlo.overlap(m.hlo_text)
+    ov = gpu_hlo.overlap(m.hlo_text)
     assert len(ov) == 2, ov
     assert min(ov) >= 1, ov
 
@@ -507,7 +509,7 @@ ENTRY %main (p: f32[8]) -> f32[8] {
   ROOT %o = f32[8]{0} get-tuple-element(%w), index=1
 }
 """
-    comps, entry = hlo.parse_hlo(hlo)
+    comps, entry = gpu_hlo.parse_hlo(hlo)
     assert entry == "main" and set(comps) == {"side", "body", "cond", "main"}
-    a = hlo.analyze(hlo)
+    a = gpu_hlo.analyze(hlo)
     assert a["gpu_ops"] == 4 and dict(a["loop_trips"]) == {4: 1}

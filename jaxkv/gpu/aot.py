@@ -36,7 +36,7 @@ import numpy as np
 from jaxkv.gpu.hlo import analyze
 from pallas_kernels.common import single_device_sharding
 
-SPEC_DIR = Path(__file__).parent / "gpu_specs"
+SPEC_DIR = Path(__file__).parent / "specs"
 _PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
 _INSTALL_HINT = (
     "compiling for a GPU without one needs the CUDA PJRT plugin: `pip install -e .[gpu-compile]` "
