@@ -18,7 +18,7 @@ exactly one slot of one tier, and a demotion writes it back over the link.
 
 Where things are: the pytree, its shardings and the host-pool size check in `jaxkv.cache.layout`,
 migrations (`plan_moves`, `migrate`) in `jaxkv.cache.migration`, the writes, compaction and debug
-views here; all of them can be imported from this module.
+views here; the package `jaxkv.cache` exports the public names of all three.
 
 Host pools are only touched by the bulk transfers of `jaxkv.cache.transfer` (one read or write per
 pool and direction). All operations are pure functions returning a new cache and run inside or

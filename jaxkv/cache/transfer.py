@@ -128,10 +128,8 @@ def read_blocks(pool, rows, fetch: str, *, pool_kind: str):
     Returns:
       [n, block_size, kv_heads, head_dim] on the device; zeros for unused entries.
     """
-    if pool_kind != "device" and not traced(pool, rows):
-        # called eagerly (a debug view, a test): one jit, as inside the decode loop (under jax
-        # 0.12.1 on CPU an array computed eagerly in host memory cannot be moved to the device)
-        return _read_blocks_jit(pool, rows, fetch, pool_kind=pool_kind)
+    if pool_kind != "device" and not traced(pool, rows):  # one jit, as the decode loop runs it
+        return _read_blocks_jit(resolve_fetch(fetch), pool_kind, target_platform())(pool, rows)
     flat = pool.reshape(pool.shape[0] * pool.shape[1], -1)
     if pool_kind == "device":
         out = ht.gather_rows_reference(flat, rows)
@@ -147,7 +145,14 @@ def read_blocks(pool, rows, fetch: str, *, pool_kind: str):
     return out.reshape(rows.shape[0], *pool.shape[2:])
 
 
-_read_blocks_jit = jax.jit(read_blocks, static_argnames=("fetch", "pool_kind"))
+@functools.cache
+def _read_blocks_jit(fetch: str, pool_kind: str, platform: str):
+    """`read_blocks` for calls outside jit (a debug view, a test): under jax 0.12.1 on CPU an
+    array computed eagerly in host memory cannot be moved to the device, so the gather and the
+    move run in one jit, as `_write_blocks_jit` does for writes. `platform` keys the compile
+    target it was traced for."""
+    del platform
+    return jax.jit(lambda pool, rows: read_blocks(pool, rows, fetch, pool_kind=pool_kind))
 
 
 def write_blocks(pool, rows, blocks, fetch: str, *, pool_kind: str, after_reads=None):

@@ -345,7 +345,7 @@ class ShardedDecoder:
         nd, c = self.mesh.shape[DATA], self.cache_config
         shapes = jax.eval_shape(
             self._prefill_map(),
-            self._abstract_params(),
+            self._abstract,
             jax.ShapeDtypeStruct((nd, c.batch // nd, 1), jnp.int32),
             jax.ShapeDtypeStruct((nd, c.batch // nd), jnp.int32),
             jax.ShapeDtypeStruct((2,), jnp.uint32),
@@ -370,9 +370,6 @@ class ShardedDecoder:
             out_specs=STATE_SPEC,
             check_vma=False,
         )
-
-    def _abstract_params(self):
-        return self._abstract
 
     @functools.cached_property
     def _step_fn(self):

@@ -4,7 +4,7 @@ Where things are: the problem and its energy (`AnnealProblem`, `loads`, `energy`
 `jaxkv.placement.anneal.problem`, the exact-scan starting point (`greedy_init`) in
 `jaxkv.placement.anneal.greedy`, the moves, their exact prices and the start's certificate
 (`neighbourhood`, `certify`) in `jaxkv.placement.anneal.moves`, the chains, their schedule and `run`
-here; all of them can be imported from this module.
+here; the package `jaxkv.placement.anneal` exports their public names.
 
 The state keeps per-step loads so the energy change of a move costs O(W); rating every block's
 move costs O(N W) per chain and iteration.
