@@ -21,7 +21,9 @@ pytree wrapped as `FunctionalModel`. The Decoder uses exactly this of it (`Model
                 maps query head h to KV head h // (H // num_kv_heads) (multi-query: all to 0).
                 `layer` is an int or a traced int32 (the layers may run under `lax.scan`);
                 `carry` is the cache's state: thread it through unchanged in structure and
-                return the last one.
+                return the last one. At prefill the Decoder also calls it once on batch x 32
+                rows, the prompts' last positions, with an `attend` of its own
+                (`jaxkv.decode.prompt`): rows are independent sequences of any count.
 
 For an NNX module the Decoder's `params` are `nnx.split(model)[1]`; for a `FunctionalModel`
 any pytree, given to its functions first: `prefill(params, tokens)` and

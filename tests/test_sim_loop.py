@@ -2,6 +2,8 @@
 a decode's recorded reads, replayed through the simulator with the same policy and settings,
 give the same hit counts and migrations exactly and the same modeled latency (issue 32)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,7 +76,11 @@ def test_replay_equals_the_decode_loop(tiny, static_wt, policy, host_tier):
     if policy != "static":  # the migrations are the policy's, not a trivial zero
         assert int(np.sum(rec.decoded.moved)) > 0
     np.testing.assert_array_equal(static_wt[1].reads, rec.reads)  # same reads, any placement
-    _assert_same(rec.decoded, loop.replay(setup, static_wt[1]).metrics)
+    other = static_wt[1]
+    if dec.policy.prompt_prior:  # its start (the prompt's prior) is its own, not Static's
+        assert not np.array_equal(np.asarray(rec.start.in_hbm), np.asarray(other.start.in_hbm))
+        other = dataclasses.replace(other, start=rec.start)
+    _assert_same(rec.decoded, loop.replay(setup, other).metrics)
 
 
 @pytest.mark.slow  # default suite: about 10 s (CI runs make test-slow)
@@ -94,7 +100,35 @@ def test_bounds_hold_for_every_policy(tiny, static_wt):
         setup = loop.LoopSetup.of(_decoder(tiny[0], policy, WT))
         seconds = loop.replay(setup, rec).summary()["modeled_seconds"]
         assert b["best"] <= seconds * (1 + 1e-6), policy
-    assert sum(b["crossings"]) > 0
+
+
+def test_the_bounds_start_from_the_best_prefill_placement(tiny, static_wt):
+    """The crossings count from the HBM content the prefill could have chosen (the blocks read
+    first, as many as the recorded start holds), never more than from the recorded start."""
+    from jaxkv.sim.bounds import min_link_crossings
+
+    reads = np.zeros((4, 1, 6), bool)
+    reads[0, 0, 3] = reads[1, 0, [1, 5]] = reads[2, 0, 0] = True
+    sealed = np.array([True] * 5 + [False])
+    start = np.array([[True, True, False, False, False, False]])
+    np.testing.assert_array_equal(loop.best_start(reads, sealed, start)[0], [0, 1, 0, 1, 0, 0])
+    # a block never read is not placed, even with room for it
+    three = np.array([[True, True, True, False, False, False]])
+    np.testing.assert_array_equal(loop.best_start(reads, sealed, three)[0], [1, 1, 0, 1, 0, 0])
+    dec, rec, _ = static_wt
+    c = dec.cache_config
+    L, N = c.num_layers, c.batch * c.max_blocks
+    placed = np.asarray(rec.reads).reshape(-1, L, N)
+    recorded = np.asarray(rec.start.in_hbm).reshape(L, N)
+    sealed = np.arange(c.max_blocks)[None] < (np.asarray(rec.start.lengths) // 8)[:, None]
+    placed = placed & sealed.reshape(1, 1, N)
+    fresh = np.zeros((placed.shape[0], N), bool)
+    best = loop.best_start(placed, sealed.reshape(N), recorded)
+    assert (best.sum(1) <= recorded.sum(1)).all()
+    f_best = min_link_crossings(placed, best, fresh, c.hbm_pool_slots)
+    f_rec = min_link_crossings(placed, recorded, fresh, c.hbm_pool_slots)
+    assert (f_best <= f_rec).all() and f_rec.sum() > f_best.sum()
+    assert loop.bounds(loop.LoopSetup.of(dec), rec)["crossings"] == f_best.tolist()
 
 
 def test_record_refuses_steps_past_the_token_buffer(tiny, static_wt):

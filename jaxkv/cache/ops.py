@@ -33,6 +33,8 @@ aliases the donated unpinned_host buffer to an output it calls "device").
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,12 +115,27 @@ def prefill(cache: TieredKVCache, k: jax.Array, v: jax.Array, lengths) -> Tiered
 
 
 @jax.jit
-def _prefill(cache: TieredKVCache, k, v, lengths) -> TieredKVCache:
+def _prefill(cache: TieredKVCache, k, v, lengths, priority=None) -> TieredKVCache:
+    """`prefill`'s body. `priority` ([layers, batch, max_blocks] float, or None: write order):
+    per layer, the sealed blocks fill HBM highest first, ties in write order
+    (`jaxkv.decode.prompt.start_cache`)."""
     c = cache.config
     L, B, M, bs = c.num_layers, c.batch, c.max_blocks, c.block_size
     S_h, S_x = c.hbm_slots, c.host_slots
     kb, vb, live = _prompt_blocks(k, v, lengths, M, bs)
-    tier, slot, to_hbm, to_host, written = _prefill_table(lengths, B, M, bs, S_h, c.write_through)
+    if priority is not None:  # one table per layer
+        table = functools.partial(
+            _prefill_table, write_through=c.write_through, B=B, M=M, bs=bs, S_h=S_h
+        )
+        tier, slot, to_hbm, to_host, written = jax.vmap(table, (None, 0))(lengths, priority)
+        pool = jax.vmap(_pool_for, (0, 0, None, 0, 0))
+        lift = lambda x: x[:, None]  # noqa: E731  [L, ...] -> [L, 1, ...]: one layer a call
+        drop = lambda x: x[:, 0]  # noqa: E731
+    else:
+        tier, slot, to_hbm, to_host, written = _prefill_table(
+            lengths, write_through=c.write_through, B=B, M=M, bs=bs, S_h=S_h
+        )
+        pool, lift, drop = _pool_for, (lambda x: x), (lambda x: x)
     # pools: gather each slot's source block (device side), then place host pools in one copy
     flat_k = kb.reshape(L, B * M, bs, *k.shape[3:])
     flat_v = vb.reshape(L, B * M, bs, *v.shape[3:])
@@ -135,8 +152,10 @@ def _prefill(cache: TieredKVCache, k, v, lengths) -> TieredKVCache:
                 keep, host_rounded(c, flat_v.reshape(flat)).reshape(flat_v.shape), flat_v
             )
     else:
-        xk, xv, host_used = _pool_for(to_host, slot, S_x, flat_k, flat_v)
-    hk, hv, hbm_used = _pool_for(to_hbm, slot, S_h, flat_k, flat_v)
+        out = pool(to_host, slot, S_x, lift(flat_k), lift(flat_v))
+        xk, xv, host_used = drop(out[0]), drop(out[1]), out[2]
+    out = pool(to_hbm, slot, S_h, lift(flat_k), lift(flat_v))
+    hk, hv, hbm_used = drop(out[0]), drop(out[1]), out[2]
     kmin, kmax = _key_bounds(kb, live)
     return replace(
         cache,
@@ -182,12 +201,15 @@ def _prompt_ring(c, kb, vb, lengths) -> dict:
     )
 
 
-def _prefill_table(lengths, B: int, M: int, bs: int, S_h: int, write_through: bool):
+def _prefill_table(
+    lengths, priority=None, *, write_through: bool, B: int, M: int, bs: int, S_h: int
+):
     """Every layer's placement after prefill, [batch, max_blocks] each: (tier, slot, the blocks
     in HBM (sealed ones and tails), those on host, those written).
 
-    Sealed blocks are ranked in write order, (logical block, sequence); the first fill the HBM
-    slots not reserved for tails, the rest live on host: at their flat index b * M + j
+    Sealed blocks are ranked in write order, (logical block, sequence), or by `priority`
+    ([batch, max_blocks], highest first, ties in write order) when given; the first fill the
+    HBM slots not reserved for tails, the rest live on host: at their flat index b * M + j
     (`write_through`), else in host slots in that order; the tails take the HBM slots after the
     sealed blocks, in sequence order."""
     j = jnp.arange(M)
@@ -197,7 +219,11 @@ def _prefill_table(lengths, B: int, M: int, bs: int, S_h: int, write_through: bo
     tail = (j[None] == n_sealed[:, None]) & has_tail[:, None]  # [B, M]
     # write order: (logical block, sequence); sealed blocks first fill HBM minus the tails
     order_key = jnp.where(sealed, j[None] * B + jnp.arange(B)[:, None], M * B)  # [B, M]
-    rank = jnp.argsort(jnp.argsort(order_key.reshape(-1))).reshape(B, M)
+    if priority is None:
+        rank = jnp.argsort(jnp.argsort(order_key.reshape(-1))).reshape(B, M)
+    else:  # by priority, then write order; unsealed blocks last
+        first = jnp.where(sealed, -priority.astype(jnp.float32), jnp.inf).reshape(-1)
+        rank = jnp.argsort(jnp.lexsort((order_key.reshape(-1), first))).reshape(B, M)
     hbm_for_sealed = S_h - jnp.sum(has_tail)
     to_hbm = sealed & (rank < hbm_for_sealed)
     to_host = sealed & ~to_hbm

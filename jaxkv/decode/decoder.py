@@ -44,10 +44,10 @@ import numpy as np
 from jaxkv import cache as kvc
 from jaxkv._pytree import replace
 from jaxkv.attention.tiered import resolve_impl, tiered_attention
-from jaxkv.cache import ops as cache_ops
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.decode.follow import apply_follow_moves, empty_follow_moves, follow_layer
 from jaxkv.decode.per_device import PerDevice
+from jaxkv.decode.prompt import forward_prompts, start_cache
 from jaxkv.decode.sampling import Greedy, eos_ids, is_eos, next_tokens
 from jaxkv.decode.setup import (
     abstract_state,
@@ -271,7 +271,7 @@ class Decoder:
 
     def model_prefill(self, params, prompts, lengths=None) -> Prefilled:
         """The model's forward pass over the prompts (`prefill`'s expensive part) as a
-        `Prefilled` (last logits and every layer's K, V), for `prefill(prefilled=...)`."""
+        `Prefilled` (last logits, K, V, the last queries), for `prefill(prefilled=...)`."""
         vocab_size = self.model_config.vocab_size
         prompts, lengths = check_prompts(prompts, lengths, self.cache_config, vocab_size)
         return self._model_prefill(
@@ -354,23 +354,21 @@ class Decoder:
     # ---- implementation -----------------------------------------------------------------------
 
     def _model_prefill_impl(self, params, prompts, lengths) -> Prefilled:
-        logits, k, v = bind(self.graphdef, params).prefill(prompts)
-        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        return Prefilled(last_logits=last, k=k, v=v, lengths=lengths)
+        model = bind(self.graphdef, params)
+        return forward_prompts(model, prompts, lengths, self._layer_windows())
 
     def _prefill_impl(self, params, prompts, lengths, key) -> DecodeState:
         return self._start_impl(self._model_prefill_impl(params, prompts, lengths), key)
 
     def _start_impl(self, pre: Prefilled, key) -> DecodeState:
         c = self.cache_config
-        kv = (pre.k.astype(c.jnp_dtype), pre.v.astype(c.jnp_dtype))
-        cache = cache_ops._prefill(kvc.TieredKVCache.create(c), *kv, pre.lengths)
+        cache, prior = start_cache(c, pre, self.placement, self.policy, self._layer_windows())
         key, sub = jax.random.split(key)
         first = self.sampler(pre.last_logits, sub)
         pol = self.policy.init(c.num_layers, c.batch * c.max_blocks)
         done, w, n = is_eos(first, self.eos_id), self.placement.window, self.max_new_tokens
         bad = jnp.where(jnp.all(jnp.isfinite(pre.last_logits), axis=-1), -1, 0).astype(jnp.int32)
-        return initial_state(cache, first, done, key, w, pol, n, self.ema_decay, bad)
+        return initial_state(cache, first, done, key, w, pol, n, self.ema_decay, bad, prior)
 
     def _active(self, state: DecodeState):
         """[batch] bool: the sequences this step decodes (not done, room in the cache and in

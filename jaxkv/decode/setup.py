@@ -17,6 +17,7 @@ import numpy as np
 from jaxkv._pytree import replace
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.cost import CostModel
+from jaxkv.decode.prompt import PROMPT_QUERIES
 from jaxkv.decode.state import DecodeState, Prefilled
 from jaxkv.model_api import FunctionalModel
 from jaxkv.placement.presets import BASES, Settings, check_policy, resolve, split_name
@@ -169,6 +170,9 @@ def abstract_state(start, cache_config: CacheConfig, vocab_size: int):
         k=kv,
         v=kv,
         lengths=jax.ShapeDtypeStruct((c.batch,), jnp.int32),
+        queries=jax.ShapeDtypeStruct(  # any query heads: the state keeps none
+            (c.num_layers, c.batch, PROMPT_QUERIES, c.kv_heads, c.head_dim), c.jnp_dtype
+        ),
     )
     return jax.eval_shape(start, pre, jax.random.key(0))
 
@@ -313,6 +317,9 @@ def check_prefilled(pre, prompts, lengths, model_config) -> None:
     B, T = prompts.shape
     kv = (mc.num_layers, B, T, mc.num_kv_heads, mc.head_dim)
     want = dict(last_logits=(B, mc.vocab_size), k=kv, v=kv, lengths=(B,))
+    qs = tuple(getattr(pre, "queries", np.zeros(0)).shape)
+    heads = qs[3] if len(qs) == 5 and qs[3] % mc.num_kv_heads == 0 else "heads"
+    want["queries"] = (mc.num_layers, B, PROMPT_QUERIES, heads, mc.head_dim)
     for name, shape in want.items():
         have = tuple(getattr(pre, name, np.zeros(0)).shape)
         if have != shape:

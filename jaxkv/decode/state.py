@@ -168,16 +168,32 @@ class Prefilled:
     k: jax.Array  # [layers, batch, T, kv_heads, head_dim]
     v: jax.Array  # [layers, batch, T, kv_heads, head_dim]
     lengths: jax.Array  # [batch] int32: prompt lengths
+    queries: jax.Array  # [layers, batch, n, q_heads, head_dim]: the last n positions' queries
+    # (`jaxkv.decode.prompt.prompt_queries`, n = PROMPT_QUERIES)
 
 
 def initial_state(
-    cache, first, done, key, window: int, policy, max_new_tokens: int, decay: float, bad_step
+    cache,
+    first,
+    done,
+    key,
+    window: int,
+    policy,
+    max_new_tokens: int,
+    decay: float,
+    bad_step,
+    read_prior=None,
 ):
     """The DecodeState after prefill: `first` [batch] sampled tokens (`done` those that stop;
     `bad_step` [batch] int32 0 where the prefill's logits were not finite, else -1),
     the first window of `window` steps with the policy's initial state, and empty statistics
-    and metrics over `max_new_tokens` steps (read statistics decaying by `decay` a step)."""
+    and metrics over `max_new_tokens` steps (read statistics decaying by `decay` a step; the
+    blocks' read frequency starts at `read_prior` [layers, batch * max_blocks] if given, the
+    prompt's prior of `jaxkv.decode.prompt`)."""
     L, B, M = cache.tier.shape
+    stats = imp.init_stats(L, B * M, decay=decay)
+    if read_prior is not None:
+        stats = replace(stats, read_ema=read_prior.astype(jnp.float32))
     zeros_f = jnp.zeros((max_new_tokens,), jnp.float32)
     return DecodeState(
         cache=cache,
@@ -191,7 +207,7 @@ def initial_state(
         ),
         placement=new_window(jnp.int32(window), jnp.float32(0), policy),
         statistics=Statistics(
-            blocks=imp.init_stats(L, B * M, decay=decay),
+            blocks=stats,
             step_mass=jnp.zeros((L, B, M), jnp.float32),
         ),
         metrics=Metrics(

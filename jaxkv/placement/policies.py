@@ -129,6 +129,7 @@ class PolicyBase:
     budget = None
     adapts_window = False
     plans = True  # False: `plan` keeps the placement as it is (no target, nothing to time)
+    prompt_prior = False  # True: start from the prompt's prior (`jaxkv.decode.prompt`)
 
     def init(self, num_layers: int, num_blocks: int):
         return ()
@@ -333,16 +334,21 @@ class Lrfu(PolicyBase):
     second link read) into a free slot, or over the least valuable resident block, read at
     this step or not, when its value (`follow_value`: `Stats.read_ema` with the step's reads
     folded in) is strictly higher. Under exact attention every block is read every step, all
-    values tie and nothing moves. Measured against LRU, the annealer's plans and the bounds:
-    bench/RESULTS.md section 5."""
+    values tie and nothing moves. With `prompt_prior` (the default) the read frequency starts
+    at the prompt's prior and the sealed blocks fill HBM in its order at prefill: the share of
+    the prompt's last queries that would read each block (`jaxkv.decode.prompt`). Measured
+    against LRU, the annealer's plans and the bounds: bench/RESULTS.md section 5."""
 
     name: str = "lrfu"
     follow: Follow = Follow("value")
+    prompt_prior: bool = True
     plans = False
 
     def __post_init__(self):
         if not isinstance(self.follow, Follow) or self.follow.admit != "value":
             raise ValueError(f"Lrfu follow must be Follow('value'), got {self.follow!r}")
+        if not isinstance(self.prompt_prior, bool):
+            raise ValueError(f"Lrfu prompt_prior must be a bool, got {self.prompt_prior!r}")
 
     def plan(self, state, obs: Observation, env: CostModel | None = None):
         return state, obs.in_hbm & obs.valid

@@ -128,6 +128,9 @@ KNOBS: dict[str, Any] = dict(
 )
 
 
+LRFU_KNOBS = ("prompt_prior",)  # `Lrfu`'s fields a caller may set (`resolve`'s overrides)
+
+
 def split_policies(text: str, label: str = "--policies") -> list[str]:
     """The policy names of a comma-separated list, split at top-level commas only, so
     "static,paper-sa[10,0.5]" is two names; blanks dropped. Raises ValueError naming `label` on
@@ -320,16 +323,17 @@ def resolve(name: str, env: CostModel, settings: Settings = Settings(), **overri
     """The policy `name` under `settings`, with `overrides` (flat knobs, `KNOBS`) applied last;
     overrides apply to anneal presets only. Raises ValueError for a bad name or knob."""
     base, mods = split_name(name)
+    if base == "lrfu" and set(overrides) <= set(LRFU_KNOBS):
+        return Lrfu(**overrides)
     if overrides and not base.startswith("anneal"):
         raise ValueError(
-            f"policy {name!r}: knob overrides {sorted(overrides)} apply to anneal presets only"
+            f"policy {name!r}: knob overrides {sorted(overrides)} apply to anneal presets "
+            f"only (and lrfu's {', '.join(LRFU_KNOBS)})"
         )
     if base == "static":
         return Static()
     if base in ("lru", "reactive"):
         return Reactive()
-    if base == "lrfu":
-        return Lrfu()
     if base in ("page", "paper-sa", "unlimited"):
         oracles = importlib.import_module("jaxkv.sim.oracles")  # research code, on demand
         if base == "page":

@@ -397,8 +397,10 @@ def bounds(setup: LoopSetup, rec: LoopRecord) -> dict:
       capacity   at most the pool's blocks and the tails in HBM, re-chosen for free before
                  each step (`cost.capacity_bound_step_time`)
       cache      max(unlimited, the fewest link crossings any placement needs x block bytes /
-                 link bandwidth) (`min_link_crossings`: Belady with bypass from the recorded
-                 start, a sealing block free in HBM)
+                 link bandwidth) (`min_link_crossings`: Belady with bypass from the best start,
+                 a sealing block free in HBM; the prefill may place any sealed blocks in HBM,
+                 as many as the recorded start holds (`jaxkv.decode.prompt`), and the best are
+                 those read first, `best_start`)
       best       the same with the capacity bound in place of unlimited
 
     Returns {name: seconds} and "crossings" ([layers] ints). FP8 blocks are refused: the
@@ -424,7 +426,7 @@ def bounds(setup: LoopSetup, rec: LoopRecord) -> dict:
     placed = (reads & sealed[:, None]).reshape(T, L, N)
     fresh = np.zeros((T, N), bool)  # blocks that seal before each step, free in HBM there
     fresh[1:] = (sealed[1:] & ~sealed[:-1]).reshape(T - 1, N)
-    init = np.asarray(rec.start.in_hbm).reshape(L, N)
+    init = best_start(placed, sealed[0].reshape(N), np.asarray(rec.start.in_hbm).reshape(L, N))
     f = min_link_crossings(placed, init, fresh, c.hbm_pool_slots)
     link = setup.profile.link_bandwidth
     return {
@@ -434,6 +436,20 @@ def bounds(setup: LoopSetup, rec: LoopRecord) -> dict:
         "best": float(cache_bound_seconds(f, cap, bb, link).sum()),
         "crossings": f.tolist(),
     }
+
+
+def best_start(reads, sealed, start):
+    """[layers, N] bool: the HBM content before step 0 that needs the fewest link crossings,
+    given as many blocks per layer as `start` [layers, N] holds, chosen among the `sealed` [N]
+    ones: those read first (`reads` [T, layers, N]), ties by index. (Belady's exchange argument:
+    a block read earlier is worth at least as much in HBM as one read later, and a block never
+    read is worth nothing.)"""
+    T = reads.shape[0]
+    first = np.where(reads.any(0), reads.argmax(0), T)  # [layers, N]; T: never read
+    key = np.where(sealed[None], first, T + 1)
+    order = np.argsort(key, axis=1, kind="stable")
+    rank = np.argsort(order, axis=1, kind="stable")
+    return (rank < start.sum(1, keepdims=True)) & (key < T)
 
 
 def decode_bound(decoder, params, state, steps: int) -> dict:
