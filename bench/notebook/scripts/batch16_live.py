@@ -5,7 +5,8 @@ SmolLM2-135M, 16 different stdlib modules' first PROMPT tokens each, sparse atte
 25%), HBM 10% of the KV (a pool under the read set), h200-pcie (or `--profile`). One decode is
 recorded (lru, W 1; `jaxkv.sim.loop.record`) and every policy is replayed on its reads
 (`jaxkv.sim.loop.replay`, equal to a policy's own decode to 1e-6 on its own record; another
-policy's record differs from it at rounding level only), with the bounds of
+policy's record differs from it at rounding level only; a policy that starts from the
+prompt's prior, lrfu, replays from its own state one step after prefill), with the bounds of
 `jaxkv.sim.loop.bounds`. Planning is charged as
 `jaxkv.summarize` charges it: each policy's plan time on this CPU (`plan_seconds`, its own
 decoder started from the same prefill) over the recorded decode's CPU step time, per window.
@@ -14,6 +15,7 @@ decoder started from the same prefill) over the recorded decode's CPU step time,
 """
 
 import argparse
+import dataclasses
 import sys
 import sysconfig
 import time
@@ -100,7 +102,11 @@ def main() -> None:
     rows = {}
     for policy, w in POLICIES:
         d = decoder(policy, w)
-        got = loop.replay(loop.LoopSetup.of(d), rec).summary()
+        own = rec
+        if d.policy.prompt_prior:  # its own start, the prompt's prior (jaxkv.decode.prompt)
+            first = d.step(params, d.prefill(params, ids, prefilled=pre))  # as the record's
+            own = dataclasses.replace(rec, start=loop.start_of(first))
+        got = loop.replay(loop.LoopSetup.of(d), own).summary()
         tps = got["modeled_tokens_per_s"]
         plan_s = 0.0
         if policy != "static":

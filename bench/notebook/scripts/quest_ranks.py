@@ -2,8 +2,8 @@
 ranking at step t predict the reads of step t + 1 better than recency?
 
 Records a sparse decode (lru) with every layer's Quest rank and k at every step, through a
-`jax.debug.callback` wrapped around `jaxkv.attention.quest_ranks` (research only: the callback
-is a host sync), checks that rank < k reproduces the recorded reads, then measures:
+`jax.debug.callback` wrapped around `jaxkv.attention.select.quest_ranks` (research only: the
+callback is a host sync), checks that rank < k reproduces the recorded reads, then measures:
   - churn: the share of step t + 1's reads that step t did not read;
   - per layer, the share of step t + 1's reads among the C blocks a predictor ranks first at
     step t (C = half, one and two read sets): recency (steps since the last read), the Quest
@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxkv import Decoder  # noqa: E402
-from jaxkv import attention as att  # noqa: E402
+from jaxkv.attention import select as att  # noqa: E402
 from jaxkv.config import CacheConfig, PlacementConfig  # noqa: E402
 from jaxkv.sim import loop  # noqa: E402
 
@@ -35,7 +35,7 @@ _ranks = att.quest_ranks
 
 
 def _ranks_and_keep(q, cache, layer, lengths, placement, *, window=None):
-    """`jaxkv.attention.quest_ranks` (what select_blocks reads), with its ranks and k sent to
+    """`jaxkv.attention.select.quest_ranks` (what select_blocks reads), with its ranks and k sent to
     STORE."""
     written, rank, k = _ranks(q, cache, layer, lengths, placement, window=window)
 
