@@ -424,6 +424,20 @@ def test_decode_step_must_hold(bench, mode, policy):
 
 
 @needs_plugin
+def test_lrfu_prefill_with_the_prompts_prior_compiles_for_the_h200(bench):
+    """lrfu's prefill recomputes the prompt's last positions (`jaxkv.decode.prompt`): a second
+    scan over the layers beside the forward's, of known trip count; no host sync; the same
+    program at both contexts. Static's prefill drops the unread queries: one scan."""
+    for policy, scans in (("static", 1), ("lrfu", 2)):
+        rows = _rows(bench, "sparse", policy, ["prefill"])
+        for ctx in CONTEXTS:
+            a = rows[ctx]["prefill"]
+            assert a["host_syncs"] == 0 and a["unknown_trip_loops"] == 0, (policy, ctx)
+            assert dict(a["loop_trips"]) == {LAYERS: scans}, (policy, ctx, a["loop_trips"])
+        assert rows[CONTEXTS[0]]["prefill"]["program"] == rows[CONTEXTS[1]]["prefill"]["program"]
+
+
+@needs_plugin
 @pytest.mark.parametrize("fn", ["migrate", "compact"])
 def test_migrate_and_compact_must_hold(bench, fn):
     rows = _rows(bench, "exact", "static", [fn])
