@@ -128,14 +128,12 @@ def _prefill(cache: TieredKVCache, k, v, lengths, priority=None) -> TieredKVCach
             _prefill_table, write_through=c.write_through, B=B, M=M, bs=bs, S_h=S_h
         )
         tier, slot, to_hbm, to_host, written = jax.vmap(table, (None, 0))(lengths, priority)
-        pool = jax.vmap(_pool_for, (0, 0, None, 0, 0))
-        lift = lambda x: x[:, None]  # noqa: E731  [L, ...] -> [L, 1, ...]: one layer a call
-        drop = lambda x: x[:, 0]  # noqa: E731
+        pool = _pool_per_layer
     else:
         tier, slot, to_hbm, to_host, written = _prefill_table(
             lengths, write_through=c.write_through, B=B, M=M, bs=bs, S_h=S_h
         )
-        pool, lift, drop = _pool_for, (lambda x: x), (lambda x: x)
+        pool = _pool_for
     # pools: gather each slot's source block (device side), then place host pools in one copy
     flat_k = kb.reshape(L, B * M, bs, *k.shape[3:])
     flat_v = vb.reshape(L, B * M, bs, *v.shape[3:])
@@ -152,10 +150,8 @@ def _prefill(cache: TieredKVCache, k, v, lengths, priority=None) -> TieredKVCach
                 keep, host_rounded(c, flat_v.reshape(flat)).reshape(flat_v.shape), flat_v
             )
     else:
-        out = pool(to_host, slot, S_x, lift(flat_k), lift(flat_v))
-        xk, xv, host_used = drop(out[0]), drop(out[1]), out[2]
-    out = pool(to_hbm, slot, S_h, lift(flat_k), lift(flat_v))
-    hk, hv, hbm_used = drop(out[0]), drop(out[1]), out[2]
+        xk, xv, host_used = pool(to_host, slot, S_x, flat_k, flat_v)
+    hk, hv, hbm_used = pool(to_hbm, slot, S_h, flat_k, flat_v)
     kmin, kmax = _key_bounds(kb, live)
     return replace(
         cache,
@@ -251,6 +247,17 @@ def _pool_for(mask, slot, n_slots: int, flat_k, flat_v):
     pk = jnp.where(used[None, :, None, None, None], flat_k[:, jnp.minimum(owner, BM - 1)], 0)
     pv = jnp.where(used[None, :, None, None, None], flat_v[:, jnp.minimum(owner, BM - 1)], 0)
     return pk, pv, used
+
+
+def _pool_per_layer(mask, slot, n_slots: int, flat_k, flat_v):
+    """`_pool_for` with a table per layer (mask, slot [layers, B, M]): (k, v [layers, n_slots,
+    ...], used [layers, n_slots] bool)."""
+
+    def one(m, s, fk, fv):
+        k, v, used = _pool_for(m, s, n_slots, fk[None], fv[None])
+        return k[0], v[0], used
+
+    return jax.vmap(one)(mask, slot, flat_k, flat_v)
 
 
 def _key_bounds(kb, live):
