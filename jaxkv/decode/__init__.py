@@ -4,6 +4,8 @@ decoder   `Decoder`: prefill, decode_step / window_step, generate, score
 state     `DecodeState` and how a step updates it; `summarize`
 setup     what the decoder settles on the host before anything is traced
 follow    the in-step admission rule (a `follow` policy, `lrfu`), applied after the layers
+prompt    the prompt's last queries at prefill, and the prior a policy (`lrfu`) starts from
 sampling  token samplers (`Greedy`, `Sampling`)
 sharded   `ShardedDecoder`: the cache and loop on a ("data", "model") mesh
+per_device  `PerDevice`: a device's own link profile inside a sharded decode
 """
