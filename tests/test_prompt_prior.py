@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxkv import Decoder
 from jaxkv import cache as kvc
@@ -42,7 +43,7 @@ def test_the_queries_follow_the_prefills_residual_stream(tiny):
     residual stream, which the queries are projected from, is the prefill's), and their
     queries are what `attend` receives."""
     model, params = tiny
-    m = bind(nnx_graphdef(model), params)
+    m = bind(nnx.split(model)[0], params)
     prompts, lengths = _prompts(), jnp.asarray(PROMPTS_LEN, jnp.int32)
     _, k, v = m.prefill(prompts)
     seen = []
@@ -67,12 +68,6 @@ def test_the_queries_follow_the_prefills_residual_stream(tiny):
         np.testing.assert_allclose(k_new.reshape(want.shape), want, rtol=1e-4, atol=1e-4)
         np.testing.assert_array_equal(np.asarray(qs[layer]).reshape(q.shape), q)
     assert qs.shape[:3] == (model.config.num_layers, 2, 8)
-
-
-def nnx_graphdef(model):
-    from flax import nnx
-
-    return nnx.split(model)[0]
 
 
 def test_the_prior_is_the_share_of_the_queries_that_select_each_block(tiny):

@@ -123,17 +123,15 @@ def _prefill(cache: TieredKVCache, k, v, lengths, priority=None) -> TieredKVCach
     L, B, M, bs = c.num_layers, c.batch, c.max_blocks, c.block_size
     S_h, S_x = c.hbm_slots, c.host_slots
     kb, vb, live = _prompt_blocks(k, v, lengths, M, bs)
-    if priority is not None:  # one table per layer
-        table = functools.partial(
-            _prefill_table, write_through=c.write_through, B=B, M=M, bs=bs, S_h=S_h
-        )
+    table = functools.partial(
+        _prefill_table, write_through=c.write_through, B=B, M=M, bs=bs, S_h=S_h
+    )
+    if priority is None:  # one table for every layer
+        tier, slot, to_hbm, to_host, written = table(lengths)
+        pool = _pool_for
+    else:  # one table per layer
         tier, slot, to_hbm, to_host, written = jax.vmap(table, (None, 0))(lengths, priority)
         pool = _pool_per_layer
-    else:
-        tier, slot, to_hbm, to_host, written = _prefill_table(
-            lengths, write_through=c.write_through, B=B, M=M, bs=bs, S_h=S_h
-        )
-        pool = _pool_for
     # pools: gather each slot's source block (device side), then place host pools in one copy
     flat_k = kb.reshape(L, B * M, bs, *k.shape[3:])
     flat_v = vb.reshape(L, B * M, bs, *v.shape[3:])

@@ -94,7 +94,6 @@ def prompt_prior(queries, cache: TieredKVCache, placement: PlacementConfig, wind
     """[layers, batch, max_blocks] float32: for each sealed block, the share of its prompt's
     valid observation queries (`queries` from `prompt_queries`) whose sparse selection at their
     own position (`select_blocks`) reads it; 0 for blocks not sealed."""
-    c = cache.config
     L, n = queries.shape[0], queries.shape[2]
     pos, valid = observed_positions(cache.lengths, n)
 
@@ -106,8 +105,7 @@ def prompt_prior(queries, cache: TieredKVCache, placement: PlacementConfig, wind
     sel = jax.vmap(jax.vmap(one, (None, 0)), (0, None))(jnp.arange(L), jnp.arange(n))
     sel &= valid.T[None, :, :, None]  # [L, n, B, M]
     share = sel.sum(1) / jnp.maximum(valid.sum(1), 1)[None, :, None]
-    sealed = jnp.arange(c.max_blocks)[None] < (cache.lengths // c.block_size)[:, None]
-    return jnp.where(sealed[None], share, 0.0).astype(jnp.float32)
+    return jnp.where(cache.sealed, share, 0.0).astype(jnp.float32)
 
 
 def uses_prompt_prior(policy, placement: PlacementConfig) -> bool:
@@ -124,6 +122,8 @@ def start_cache(c: CacheConfig, pre, placement: PlacementConfig, policy, windows
     cache = cache_ops._prefill(TieredKVCache.create(c), *kv, pre.lengths)
     if not uses_prompt_prior(policy, placement):
         return cache, None
+    # the selection reads this first cache's key bounds only: XLA drops its pools, and the
+    # second prefill, in the prior's order, is the one kept
     prior = prompt_prior(pre.queries, cache, placement, windows)
     cache = cache_ops._prefill(TieredKVCache.create(c), *kv, pre.lengths, priority=prior)
     return cache, prior.reshape(c.num_layers, c.batch * c.max_blocks)
