@@ -1,0 +1,294 @@
+"""Lab script (bench/notebook/2026-12-06-forecast-limits.md): how far an online estimate of the
+reads can take lrfu on bench_decode's 8k case (random init), and whether a forecast of the next
+step's queries is the lever beyond it.
+
+  prior     Records bench_decode's 8k lrfu decode (without the prompt's prior), computes the
+            prior of the prompt's last n = 32, 256 and 512 queries (`jaxkv.decode.prompt`),
+            and replays lrfu in the decode loop's accounting (`jaxkv.sim.loop`, through
+            prompt_prior.py's `replay`) from each prior's start, with its value held constant
+            or as an EMA (decay 0.9, lrfu's; 0.97). Prints modeled tok/s and the share of the
+            gap between max(static, lru) (bench/RESULTS.md section 5, W 8: 4,911) and the best
+            bound that each closes. (512 queries take about 10 GB.)
+  forecast  An exact-attention decode of the same model and prompt, 28 greedy steps, with the
+            Quest selection (`select_blocks`) of every step's queries: the reads. At each step
+            t, after the next token is known, a second `decode_step` of that token at the next
+            position whose `attend` returns step t's attention outputs (the stale forward: what
+            the model API allows without attending) gives queries, hence a forecast of step
+            t + 1's reads. Prints the forecast's precision and recall against the reads of
+            t + 1 (and recency's), then the link crossings of lrfu's rule (value = EMA + beta x
+            forecast) relative to Belady's, in a numpy model of the rule: `follow_moves`'
+            "value" admission on a pool of C blocks per layer, which reproduces the loop's
+            lrfu on the recorded decode exactly (12,130 host reads, 7,749 tok/s).
+
+  python bench/notebook/scripts/forecast_limits.py prior
+  python bench/notebook/scripts/forecast_limits.py forecast
+"""
+
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(Path(__file__).parent)]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import prompt_prior as pp_script  # noqa: E402
+
+from jaxkv.attention.select import select_blocks  # noqa: E402
+from jaxkv.cache import ops as cache_ops  # noqa: E402
+from jaxkv.cache.layout import TieredKVCache  # noqa: E402
+from jaxkv.decode import prompt as pp  # noqa: E402
+from jaxkv.model_api import bind  # noqa: E402
+from jaxkv.sim import loop  # noqa: E402
+
+EXTRA = 100  # held-out steps: the read frequency of the same decode after the recorded ones
+BASE = 4911.0  # max(static, lru) with planning charged, bench/RESULTS.md section 5 (lru, W 8)
+
+
+def held_out(dec, prompts, steps: int, extra: int):
+    """The reads of `steps + extra` steps of bench_decode's 8k decode from the same prompt, with
+    the same model and HBM pool as `dec`'s (a longer cache: the blocks past the 8k case's are
+    never read)."""
+    import bench_decode as bd
+    from flax import nnx
+
+    from jaxkv import Decoder
+    from jaxkv.config import CacheConfig
+
+    c, n = dec.cache_config, steps + extra
+    argv = ["--shape", "mh", "--contexts", "8192", "--steps", "24", "--window", "8"]
+    args = bd.parse_args([*argv, "--modes", "sparse", "--policies", "lrfu"])
+    model = bd.build_model(args, 8192 + n + 2 + bd.MARGIN)
+    cfg = CacheConfig.for_model(
+        model.config, batch=1, max_len=8192 + n + 2 + bd.MARGIN, block_size=c.block_size,
+        hbm_blocks=c.hbm_slots, host_tier=args.host_tier,
+    )  # fmt: skip
+    long = Decoder(model, cfg, dec.placement, max_new_tokens=n + 2, profile=args.profile,
+                   policy_kwargs={"prompt_prior": False})  # fmt: skip
+    params = nnx.split(model)[1]
+    rec, _ = loop.record(long, params, long.prefill(params, prompts), n)
+    R = np.asarray(rec.reads)[..., : c.max_blocks]  # [T, L, 1, M] of the 8k case's blocks
+    return R.astype(np.float32)
+
+
+def prior():
+    dec, params, prompts, steps = pp_script.setup("bench", 0.25)
+    state = dec.prefill(params, prompts)
+    c = dec.cache_config
+    L, N = c.num_layers, c.batch * c.max_blocks
+    model = bind(dec.graphdef, params)
+    toks = jnp.asarray(prompts)
+    lengths = jnp.asarray([prompts.shape[1]], jnp.int32)
+    _, k, v = model.prefill(toks)
+    priors = {}
+    for n in (32, 256, 512):
+        qs = pp.prompt_queries(model, toks, lengths, k, v, n=n)
+        priors[n] = np.asarray(pp.prompt_prior(qs, state.cache, dec.placement)).reshape(L, N)
+        del qs
+    rec, _ = loop.record(dec, params, state, steps)
+    R = np.asarray(rec.reads, np.float32).reshape(-1, L, N)
+    T = R.shape[0]
+    st = rec.start
+    sealed = np.arange(c.max_blocks)[None] < (np.asarray(st.lengths) // c.block_size)[:, None]
+    sealed = sealed.reshape(N)
+    room = int(np.asarray(st.in_hbm).reshape(L, N).sum(1).max())
+    bound = T / loop.bounds(loop.LoopSetup.of(dec), rec)["best"]
+
+    def ema(x0, d):
+        out, x = np.zeros((T, L, N), np.float32), x0.copy()
+        for t in range(T):
+            x = d * x + (1 - d) * R[t]
+            out[t] = x
+        return out
+
+    def start(p):
+        stats = dataclasses.replace(st.stats, read_ema=jnp.asarray(p))
+        top = pp_script.top(p, sealed, room).reshape(st.in_hbm.shape)
+        s = dataclasses.replace(st, stats=stats, in_hbm=jnp.asarray(top))
+        return dataclasses.replace(rec, start=s)
+
+    print(f"8k, lrfu from each prior's start; best bound {bound:,.0f} tok/s, base {BASE:,.0f}")
+    hind = R.mean(0) * sealed
+    rows = [(f"prior {n}, {name}", p, vals)
+            for n, p in priors.items()
+            for name, vals in (("constant", np.stack([p] * T)), ("EMA 0.9 (lrfu)", ema(p, 0.9)),
+                               ("EMA 0.97", ema(p, 0.97)))]  # fmt: skip
+    rows.append(("hindsight read frequency (an oracle), constant", hind, np.stack([hind] * T)))
+    longer = held_out(dec, prompts, steps, EXTRA).reshape(-1, L, N)
+    differ = int((longer[:T] != R).sum())
+    print(f"the longer decode's first {T} steps: {differ} of {int(R.sum()):,} reads differ")
+    held = longer[T:].mean(0) * sealed
+    name = f"read frequency of steps {T}..{T + EXTRA - 1}, constant"
+    rows.append((name, held, np.stack([held] * T)))
+    for name, p, vals in rows:
+        tps = pp_script.replay(dec, start(p), vals)
+        print(f"  {name:<48} {tps:8,.0f} tok/s  closes {(tps - BASE) / (bound - BASE):5.1%}")
+
+
+def follow_misses(R, sealed, C, init, value):
+    """Host reads of lrfu's rule on reads R [T, L, N]: at each step, the host blocks read fill
+    free slots, then displace the least valuable resident while strictly more valuable
+    (`follow_moves`' "value" admission; value(t) [L, N] after step t's reads); a block that
+    seals stays in HBM while a slot is free."""
+    T, L, _ = R.shape
+    H, misses = init.copy(), 0
+    for t in range(T):
+        host = R[t] & ~H & sealed[t][None]
+        misses += int(host.sum())
+        v = value(t)
+        for layer in range(L):
+            cand = np.flatnonzero(host[layer])
+            cand = cand[np.argsort(-v[layer, cand], kind="stable")]
+            res = np.flatnonzero(H[layer])
+            res = res[np.argsort(v[layer, res], kind="stable")]
+            free, i = C - len(res), 0
+            for b in cand:
+                if free > 0:
+                    H[layer, b], free = True, free - 1
+                elif i < len(res) and v[layer, b] > v[layer, res[i]]:
+                    H[layer, res[i]], H[layer, b], i = False, True, i + 1
+                else:
+                    break
+        if t + 1 < T:
+            for b in np.flatnonzero(sealed[t + 1] & ~sealed[t]):
+                H[:, b] |= H.sum(1) < C
+    return misses
+
+
+def belady_misses(R, C, init):
+    """Belady with bypass: after each step keep the C blocks (of those resident or just read)
+    read soonest."""
+    T, L, N = R.shape
+    H, misses = init.copy(), 0
+    for t in range(T):
+        misses += int((R[t] & ~H).sum())
+        nxt = np.full((L, N), T)
+        for u in range(T - 1, t, -1):
+            nxt = np.where(R[u], u, nxt)
+        for layer in range(L):
+            idx = np.flatnonzero(H[layer] | R[t, layer])
+            idx = idx[np.argsort(nxt[layer, idx], kind="stable")][:C]
+            H[layer] = False
+            H[layer, idx[nxt[layer, idx] < T]] = True
+    return misses
+
+
+def check_numpy_model(dec, params, prompts, prior, steps):
+    """The numpy model of lrfu's rule on the Decoder's recorded decode: its host reads, and the
+    tok/s they imply (the case is link-bound: the best bound x Belady's crossings / them)."""
+    c = dec.cache_config
+    L, N = c.num_layers, c.batch * c.max_blocks
+    rec, _ = loop.record(dec, params, dec.prefill(params, prompts), steps)
+    b = loop.bounds(loop.LoopSetup.of(dec), rec)
+    R = np.asarray(rec.reads).reshape(-1, L, N)
+    lengths = np.asarray(rec.start.lengths)[0] + np.arange(R.shape[0])
+    sealed = np.arange(N)[None] < (lengths // c.block_size)[:, None]
+    C = c.hbm_pool_slots
+    ema = [prior]
+    for t in range(R.shape[0]):
+        ema.append(0.9 * ema[-1] + 0.1 * R[t])
+    got = follow_misses(R, sealed, C, pp_script.top(prior, sealed[0], C), lambda t: ema[t + 1])
+    bel = sum(b["crossings"])
+    print(
+        f"numpy model on the recorded decode: {got:,} host reads (Belady {bel:,}), "
+        f"{R.shape[0] / b['best'] * bel / got:,.0f} tok/s"
+    )
+
+
+def forecast(G: int = 28):
+    dec, params, prompts, _ = pp_script.setup("bench", 0.25)
+    c = dec.cache_config
+    L, B, N = c.num_layers, c.batch, c.batch * c.max_blocks
+    model = bind(dec.graphdef, params)
+    toks = jnp.asarray(prompts)
+    P = toks.shape[1]
+    lengths = jnp.asarray([P], jnp.int32)
+    logits, k, v = model.prefill(toks)
+    kv = (k.astype(c.jnp_dtype), v.astype(c.jnp_dtype))
+    cache = cache_ops._prefill(TieredKVCache.create(c), *kv, lengths)
+    q32 = pp.prompt_queries(model, toks, lengths, k, v)
+    prior = np.asarray(pp.prompt_prior(q32, cache, dec.placement)).reshape(L, N)
+    check_numpy_model(dec, params, prompts, prior, G)
+    KV, D, H = k.shape[3], k.shape[4], q32.shape[3]
+    S = P + G + 1
+    kd = jnp.zeros((L, B, S, KV, D), jnp.float32).at[:, :, :P].set(k.astype(jnp.float32))
+    vd = jnp.zeros((L, B, S, KV, D), jnp.float32).at[:, :, :P].set(v.astype(jnp.float32))
+    q0 = jnp.zeros((L, B, H, D), q32.dtype)
+
+    @jax.jit
+    def exact(tok, pos, kd, vd):  # one exact step: (logits, K, V, queries, attention outputs)
+        def attend(layer, q, k_new, v_new, carry):
+            kd, vd, qs, outs = carry
+            kd = kd.at[layer, :, pos].set(k_new.astype(jnp.float32))
+            vd = vd.at[layer, :, pos].set(v_new.astype(jnp.float32))
+            qg = q.astype(jnp.float32).reshape(B, KV, H // KV, D)
+            s = jnp.einsum("bkgd,btkd->bkgt", qg, kd[layer]) / math.sqrt(D)
+            p = jax.nn.softmax(jnp.where(jnp.arange(S) <= pos, s, -jnp.inf), -1)
+            out = jnp.einsum("bkgt,btkd->bkgd", p, vd[layer]).reshape(B, H, D).astype(q.dtype)
+            return out, (kd, vd, qs.at[layer].set(q), outs.at[layer].set(out))
+
+        t, p = jnp.full((B,), tok), jnp.full((B,), pos)
+        return model.decode_step(t, p, attend, (kd, vd, q0, q0))
+
+    @jax.jit
+    def stale(tok, pos, outs):  # the next token's queries with the last step's outputs
+        def attend(layer, q, k_new, v_new, qs):
+            return outs[layer], qs.at[layer].set(q)
+
+        return model.decode_step(jnp.full((B,), tok), jnp.full((B,), pos), attend, q0)[1]
+
+    @jax.jit
+    def select(qs, pos):
+        at = jnp.full((B,), pos + 1)
+        return jax.vmap(lambda i: select_blocks(qs[i], cache, i, at, dec.placement))(jnp.arange(L))
+
+    tok, R, F = int(jnp.argmax(logits[0, P - 1])), [], []
+    for t in range(G):
+        lg, (kd, vd, qs, outs) = exact(tok, P + t, kd, vd)
+        nxt = int(jnp.argmax(lg[0]))
+        R.append(np.asarray(select(qs, P + t)).reshape(L, N))
+        F.append(np.asarray(select(stale(nxt, P + t + 1, outs), P + t + 1)).reshape(L, N))
+        tok = nxt
+    sealed0 = np.arange(N) < P // c.block_size  # the prompt's blocks (the tail is HBM's)
+    R, F = np.stack(R) & sealed0, np.stack(F) & sealed0
+    hit = (F[:-1] & R[1:]).sum()
+    print(
+        f"forecast of step t + 1's reads (stale forward): precision {hit / F[:-1].sum():.2f}, "
+        f"recall {hit / R[1:].sum():.2f}; recency (step t's reads) recall "
+        f"{(R[:-1] & R[1:]).sum() / R[1:].sum():.2f}"
+    )
+    C, sealed = c.hbm_pool_slots, np.broadcast_to(sealed0, (G, N))
+    init = pp_script.top(prior, sealed0, C)
+    first = np.where(R.any(0), R.argmax(0), G)
+    best = np.zeros((L, N), bool)
+    for layer in range(L):
+        o = np.argsort(np.where(sealed0, first[layer], G + 1), kind="stable")[:C]
+        best[layer, o[first[layer, o] < G]] = True
+    bel = belady_misses(R, C, best)
+    ema = [prior]
+    for t in range(G):
+        ema.append(0.9 * ema[-1] + 0.1 * R[t])
+    nxt = np.concatenate([R[1:], np.zeros_like(R[:1])]).astype(np.float32)
+    cases = [("lrfu (EMA 0.9 from the prior)", lambda t: ema[t + 1])]
+    for b in (0.3, 1):
+        cases.append((f"lrfu + {b} x the forecast", lambda t, b=b: ema[t + 1] + b * F[t]))
+    cases.append(("lrfu + the next step's reads (an oracle)", lambda t: ema[t + 1] + nxt[t]))
+    rng = np.random.default_rng(0)
+    for p in (0.3, 0.5):  # the oracle with each entry re-drawn (Bernoulli of the mean) w.p. p
+        redraw = rng.random(nxt.shape) < p
+        noisy = np.where(redraw, rng.random(nxt.shape) < nxt.mean(), nxt)
+        name = f"lrfu + the next reads, {p:.0%} re-drawn"
+        cases.append((name, lambda t, x=noisy: ema[t + 1] + x[t]))
+    hind = R.mean(0)
+    cases.append(("hindsight read frequency (an oracle)", lambda t: hind))
+    print(f"host reads relative to Belady's ({bel:,}), pool {C} blocks per layer, {G} steps:")
+    for name, value in cases:
+        start = pp_script.top(hind, sealed0, C) if name.startswith("hindsight") else init
+        print(f"  {name:<44} {follow_misses(R, sealed, C, start, value) / bel:.3f}")
+
+
+if __name__ == "__main__":
+    {"prior": prior, "forecast": forecast}[sys.argv[1]]()
