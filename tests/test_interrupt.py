@@ -14,6 +14,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+def _sigint_default():
+    """In the child before exec: SIGINT to its default, so that Python installs its
+    KeyboardInterrupt handler. A test run started in the background (`cmd &`, nohup) inherits
+    SIGINT ignored, and Python leaves an ignored SIGINT ignored: the child would not see the
+    Ctrl-C these tests send."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 # `jaxkv demo` with its long stage replaced: it opens the figure's output, writes part of it,
 # (with "bar": draws a progress bar it holds, left mid-line as tqdm leaves one), says "ready",
 # then waits in Python (sleep) or in a device computation (a jitted loop that runs for
@@ -86,6 +95,7 @@ def _interrupt_demo(tmp_path, where, *extra):
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=_sigint_default,
         text=True,
     )
     try:
@@ -112,6 +122,7 @@ def test_ctrl_c_ends_jaxkv_simulate_the_same_way():
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=_sigint_default,
     )
     try:
         seen = b""
@@ -144,9 +155,16 @@ def _main_with(monkeypatch, func):
         return p
 
     monkeypatch.setattr(cli, "build_parser", parser)
+    # Python's own handler, as in a foreground run (a background run inherits SIGINT ignored,
+    # and `_thread.interrupt_main`, which the CLI uses to hand an interrupt back, does nothing
+    # then)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
-    status = cli.main(["probe"])
+    try:
+        status = cli.main(["probe"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert sys.stderr is err  # put back
     return status, err.getvalue()
 

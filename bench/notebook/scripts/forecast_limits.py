@@ -98,11 +98,7 @@ def prior():
     bound = T / loop.bounds(loop.LoopSetup.of(dec), rec)["best"]
 
     def ema(x0, d):
-        out, x = np.zeros((T, L, N), np.float32), x0.copy()
-        for t in range(T):
-            x = d * x + (1 - d) * R[t]
-            out[t] = x
-        return out
+        return pp_script.ema_of(R, x0, d)
 
     def start(p):
         stats = dataclasses.replace(st.stats, read_ema=jnp.asarray(p))

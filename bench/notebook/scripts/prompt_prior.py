@@ -97,6 +97,16 @@ def setup(which: str, frac: float):
     return dec, nnx.split(model)[1], ids[None], 63
 
 
+def ema_of(R, x0, d):
+    """[T, layers, N]: the read frequency after each step of reads R [T, layers, N], an EMA of
+    decay d from x0 (lrfu's `read_ema` with the step folded in)."""
+    out, x = np.zeros(R.shape, np.float32), x0.copy()
+    for t in range(R.shape[0]):
+        x = d * x + (1 - d) * R[t]
+        out[t] = x
+    return out
+
+
 def top(p, sealed, room):
     """[layers, N] bool: the `room` highest of `p` per layer among `sealed`, ties by index."""
     L, N = p.shape
@@ -132,11 +142,7 @@ def main():
     room = int(np.asarray(st.in_hbm).reshape(L, N).sum(1).max())
 
     def ema(x0, d):
-        out, x = np.zeros((T, L, N), np.float32), x0.copy()
-        for t in range(T):
-            x = d * x + (1 - d) * R[t]
-            out[t] = x
-        return out
+        return ema_of(R, x0, d)
 
     def start(p, place=True):
         s = dataclasses.replace(st, stats=dataclasses.replace(st.stats, read_ema=jnp.asarray(p)))
