@@ -15,12 +15,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _sigint_default():
-    """In the child before exec: SIGINT to its default, so that Python installs its
-    KeyboardInterrupt handler. A test run started in the background (`cmd &`, nohup) inherits
-    SIGINT ignored, and Python leaves an ignored SIGINT ignored: the child would not see the
-    Ctrl-C these tests send."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# first in every child: Python's own SIGINT handler. A test run started in the background
+# (`cmd &`, nohup) passes SIGINT ignored to its children, and Python leaves an ignored SIGINT
+# ignored: the child would not see the Ctrl-C these tests send. (Not preexec_fn: a fork of
+# the multithreaded test process that runs Python before exec can deadlock.)
+SIGINT_HANDLER = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
 
 
 # `jaxkv demo` with its long stage replaced: it opens the figure's output, writes part of it,
@@ -90,12 +89,11 @@ def _interrupt_demo(tmp_path, where, *extra):
     out = tmp_path / "fig.png"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     p = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT), str(out), where, *extra],
+        [sys.executable, "-c", SIGINT_HANDLER + textwrap.dedent(SCRIPT), str(out), where, *extra],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        preexec_fn=_sigint_default,
         text=True,
     )
     try:
@@ -111,18 +109,21 @@ def _interrupt_demo(tmp_path, where, *extra):
     return err, took
 
 
+# `python -m jaxkv.cli`
+CLI = "import runpy; runpy.run_module('jaxkv.cli', run_name='__main__', alter_sys=True)"
+
+
 def test_ctrl_c_ends_jaxkv_simulate_the_same_way():
     """`jaxkv simulate` goes through the same entry point: interrupted once its progress bar
     is drawn, it exits 130 with the line on its own line, no traceback."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     argv = ["simulate", "--trace", "synthetic:patterns", "--policies", "static,lru"]
     p = subprocess.Popen(
-        [sys.executable, "-m", "jaxkv.cli", *argv],
+        [sys.executable, "-c", SIGINT_HANDLER + CLI, *argv],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        preexec_fn=_sigint_default,
     )
     try:
         seen = b""
