@@ -48,30 +48,13 @@ EXTRA = 100  # held-out steps: the read frequency of the same decode after the r
 BASE = 4911.0  # max(static, lru) with planning charged, bench/RESULTS.md section 5 (lru, W 8)
 
 
-def held_out(dec, prompts, steps: int, extra: int):
-    """The reads of `steps + extra` steps of bench_decode's 8k decode from the same prompt, with
-    the same model and HBM pool as `dec`'s (a longer cache: the blocks past the 8k case's are
-    never read)."""
-    import bench_decode as bd
-    from flax import nnx
-
-    from jaxkv import Decoder
-    from jaxkv.config import CacheConfig
-
-    c, n = dec.cache_config, steps + extra
-    argv = ["--shape", "mh", "--contexts", "8192", "--steps", "24", "--window", "8"]
-    args = bd.parse_args([*argv, "--modes", "sparse", "--policies", "lrfu"])
-    model = bd.build_model(args, 8192 + n + 2 + bd.MARGIN)
-    cfg = CacheConfig.for_model(
-        model.config, batch=1, max_len=8192 + n + 2 + bd.MARGIN, block_size=c.block_size,
-        hbm_blocks=c.hbm_slots, host_tier=args.host_tier,
-    )  # fmt: skip
-    long = Decoder(model, cfg, dec.placement, max_new_tokens=n + 2, profile=args.profile,
-                   policy_kwargs={"prompt_prior": False})  # fmt: skip
-    params = nnx.split(model)[1]
-    rec, _ = loop.record(long, params, long.prefill(params, prompts), n)
-    R = np.asarray(rec.reads)[..., : c.max_blocks]  # [T, L, 1, M] of the 8k case's blocks
-    return R.astype(np.float32)
+def held_out(c, steps: int, extra: int):
+    """[steps + extra, layers, 1, M] float32: the reads of bench_decode's 8k decode continued
+    for `extra` steps, with the case's model, prompt and HBM pool, over the blocks of the
+    case's cache `c` (`prompt_prior.setup` with `extra`)."""
+    dec, params, prompts, _ = pp_script.setup("bench", 0.25, extra=extra)
+    rec, _ = loop.record(dec, params, dec.prefill(params, prompts), steps + extra)
+    return np.asarray(rec.reads)[..., : c.max_blocks].astype(np.float32)
 
 
 def prior():
@@ -113,7 +96,7 @@ def prior():
             for name, vals in (("constant", np.stack([p] * T)), ("EMA 0.9 (lrfu)", ema(p, 0.9)),
                                ("EMA 0.97", ema(p, 0.97)))]  # fmt: skip
     rows.append(("hindsight read frequency (an oracle), constant", hind, np.stack([hind] * T)))
-    longer = held_out(dec, prompts, steps, EXTRA).reshape(-1, L, N)
+    longer = held_out(c, steps, EXTRA).reshape(-1, L, N)
     differ = int((longer[:T] != R).sum())
     print(f"the longer decode's first {T} steps: {differ} of {int(R.sum()):,} reads differ")
     held = longer[T:].mean(0) * sealed

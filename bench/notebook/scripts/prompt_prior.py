@@ -64,8 +64,10 @@ def replay(dec, rec, values) -> float:
     return rec.reads.shape[0] * dec.cache_config.batch / seconds
 
 
-def setup(which: str, frac: float):
-    """(decoder, params, prompts) of the case; lrfu without the prior."""
+def setup(which: str, frac: float, extra: int = 0):
+    """(decoder, params, prompts, steps) of the case; lrfu without the prior. `extra` (bench
+    only): room for that many more steps, with the case's own HBM pool (the blocks past the
+    case's are never read)."""
     kw = {"prompt_prior": False}
     if which == "bench":
         import bench_decode as bd
@@ -73,15 +75,22 @@ def setup(which: str, frac: float):
         argv = ["--shape", "mh", "--contexts", "8192", "--steps", "24", "--window", "8"]
         args = bd.parse_args([*argv, "--modes", "sparse", "--policies", "lrfu"])
         n = args.warmup + args.steps
-        model = bd.build_model(args, 8192 + n + 2 + bd.MARGIN)
         [(_, frac, placement, _)] = [x for x in bd.cases(args) if not x[0].startswith("all-hbm")]
-        cfg = CacheConfig.for_model(
-            model.config, batch=1, max_len=8192 + n + 2 + bd.MARGIN,
-            block_size=args.block_size, hbm_fraction=frac, host_tier=args.host_tier,
-        )  # fmt: skip
+
+        def config(model, steps, **hbm):
+            return CacheConfig.for_model(
+                model.config, batch=1, max_len=8192 + steps + 2 + bd.MARGIN,
+                block_size=args.block_size, host_tier=args.host_tier, **hbm,
+            )  # fmt: skip
+
+        model = bd.build_model(args, 8192 + n + extra + 2 + bd.MARGIN)
+        cfg = config(model, n, hbm_fraction=frac)
+        if extra:
+            cfg = config(model, n + extra, hbm_blocks=cfg.hbm_slots)
         dec = Decoder(
-            model, cfg, placement, max_new_tokens=n + 2, profile=args.profile, policy_kwargs=kw
-        )
+            model, cfg, placement, max_new_tokens=n + extra + 2, profile=args.profile,
+            policy_kwargs=kw,
+        )  # fmt: skip
         rng = np.random.default_rng(args.seed)  # bench_decode's fill_cache
         prompts = rng.integers(0, model.config.vocab_size, (1, 8192), dtype=np.int32)
         return dec, nnx.split(model)[1], prompts, n
