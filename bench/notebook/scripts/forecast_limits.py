@@ -19,9 +19,15 @@ step's queries is the lever beyond it.
             forecast) relative to Belady's, in a numpy model of the rule: `follow_moves`'
             "value" admission on a pool of C blocks per layer, which reproduces the loop's
             lrfu on the recorded decode exactly (12,130 host reads, 7,749 tok/s).
+  lookahead Replays lrfu (as `prior`) with the next step's reads of layer 0 added to its value:
+            layer 0's queries depend on the token and its position only, so its next reads
+            are known exactly once the next token is sampled. Alone and on top of the adaptive
+            estimator (`prompt_prior.adaptive`), with every layer's next reads as the oracle.
+            bench (the 8k case, with the share of its gap) or real 0.25 / 0.10 (the demo).
 
   python bench/notebook/scripts/forecast_limits.py prior
   python bench/notebook/scripts/forecast_limits.py forecast
+  python bench/notebook/scripts/forecast_limits.py lookahead [bench | real 0.25 | real 0.10]
 """
 
 import dataclasses
@@ -57,8 +63,38 @@ def held_out(c, steps: int, extra: int):
     return np.asarray(rec.reads)[..., : c.max_blocks].astype(np.float32)
 
 
-def prior():
-    dec, params, prompts, steps = pp_script.setup("bench", 0.25)
+@dataclasses.dataclass
+class Case:
+    """A recorded lrfu decode (without the prompt's prior) and what the replays need."""
+
+    dec: object
+    rec: object
+    R: np.ndarray  # [T, layers, N] float32: the reads
+    priors: dict  # n -> [layers, N]: the prior of the prompt's last n queries
+    sealed: np.ndarray  # [N] bool: the blocks sealed at the start
+    room: int  # the HBM slots of a layer
+    bound: float  # the best bound, tok/s
+
+    def start(self, p):
+        """The record with read_ema p and HBM holding p's top blocks at the start."""
+        st = self.rec.start
+        stats = dataclasses.replace(st.stats, read_ema=jnp.asarray(p))
+        top = pp_script.top(p, self.sealed, self.room).reshape(st.in_hbm.shape)
+        s = dataclasses.replace(st, stats=stats, in_hbm=jnp.asarray(top))
+        return dataclasses.replace(self.rec, start=s)
+
+    def report(self, rows, base):
+        """Replays lrfu with each row's (name, start prior, values [T, layers, N]); prints tok/s
+        and, with `base` (max(static, lru)), the share of the gap to the bound it closes."""
+        for name, p, vals in rows:
+            tps = pp_script.replay(self.dec, self.start(p), vals)
+            share = f"  closes {(tps - base) / (self.bound - base):5.1%}" if base else ""
+            print(f"  {name:<52} {tps:8,.0f} tok/s{share}", flush=True)
+
+
+def record_case(which: str, frac: float, ns=(32,)) -> Case:
+    """`prompt_prior.setup`'s case, its priors of n in `ns` queries and its lrfu record."""
+    dec, params, prompts, steps = pp_script.setup(which, frac)
     state = dec.prefill(params, prompts)
     c = dec.cache_config
     L, N = c.num_layers, c.batch * c.max_blocks
@@ -67,44 +103,69 @@ def prior():
     lengths = jnp.asarray([prompts.shape[1]], jnp.int32)
     _, k, v = model.prefill(toks)
     priors = {}
-    for n in (32, 256, 512):
+    for n in ns:
         qs = pp.prompt_queries(model, toks, lengths, k, v, n=n)
         priors[n] = np.asarray(pp.prompt_prior(qs, state.cache, dec.placement)).reshape(L, N)
         del qs
     rec, _ = loop.record(dec, params, state, steps)
     R = np.asarray(rec.reads, np.float32).reshape(-1, L, N)
-    T = R.shape[0]
     st = rec.start
     sealed = np.arange(c.max_blocks)[None] < (np.asarray(st.lengths) // c.block_size)[:, None]
-    sealed = sealed.reshape(N)
     room = int(np.asarray(st.in_hbm).reshape(L, N).sum(1).max())
-    bound = T / loop.bounds(loop.LoopSetup.of(dec), rec)["best"]
+    bound = R.shape[0] * c.batch / loop.bounds(loop.LoopSetup.of(dec), rec)["best"]
+    return Case(dec, rec, R, priors, sealed.reshape(N), room, bound)
+
+
+def prior():
+    case = record_case("bench", 0.25, (32, 256, 512))
+    c, R, sealed = case.dec.cache_config, case.R, case.sealed
+    L, N, T = c.num_layers, c.batch * c.max_blocks, R.shape[0]
 
     def ema(x0, d):
         return pp_script.ema_of(R, x0, d)
 
-    def start(p):
-        stats = dataclasses.replace(st.stats, read_ema=jnp.asarray(p))
-        top = pp_script.top(p, sealed, room).reshape(st.in_hbm.shape)
-        s = dataclasses.replace(st, stats=stats, in_hbm=jnp.asarray(top))
-        return dataclasses.replace(rec, start=s)
-
-    print(f"8k, lrfu from each prior's start; best bound {bound:,.0f} tok/s, base {BASE:,.0f}")
+    print(f"8k, lrfu from each prior's start; best bound {case.bound:,.0f} tok/s, base {BASE:,.0f}")
     hind = R.mean(0) * sealed
     rows = [(f"prior {n}, {name}", p, vals)
-            for n, p in priors.items()
+            for n, p in case.priors.items()
             for name, vals in (("constant", np.stack([p] * T)), ("EMA 0.9 (lrfu)", ema(p, 0.9)),
                                ("EMA 0.97", ema(p, 0.97)))]  # fmt: skip
     rows.append(("hindsight read frequency (an oracle), constant", hind, np.stack([hind] * T)))
-    longer = held_out(c, steps, EXTRA).reshape(-1, L, N)
+    longer = held_out(c, T, EXTRA).reshape(-1, L, N)
     differ = int((longer[:T] != R).sum())
     print(f"the longer decode's first {T} steps: {differ} of {int(R.sum()):,} reads differ")
     held = longer[T:].mean(0) * sealed
     name = f"read frequency of steps {T}..{T + EXTRA - 1}, constant"
     rows.append((name, held, np.stack([held] * T)))
-    for name, p, vals in rows:
-        tps = pp_script.replay(dec, start(p), vals)
-        print(f"  {name:<48} {tps:8,.0f} tok/s  closes {(tps - BASE) / (bound - BASE):5.1%}")
+    case.report(rows, BASE)
+
+
+def lookahead(which: str = "bench", frac: str = "0.25"):
+    """lrfu's value plus the next step's reads of the first layers (layer 0's are known once
+    the next token is: its queries depend on the token and position only), alone and on top of
+    the adaptive estimator (`prompt_prior.adaptive`: per layer, EMA 0.9 from the prior of 32
+    queries or the constant prior of 256, whichever's top blocks caught more reads)."""
+    case = record_case(which, float(frac), (32, 256))
+    R, (p32, p256) = case.R, (case.priors[32], case.priors[256])
+    T, L = R.shape[:2]
+    nxt = np.concatenate([R[1:], np.zeros_like(R[:1])])
+
+    def ahead(vals, layers=1, b=1.0):
+        m = (np.arange(L) < layers).astype(np.float32)[None, :, None]
+        return vals + b * m * nxt
+
+    fast = pp_script.ema_of(R, p32, 0.9)
+    slow, used = pp_script.adaptive(R, case.sealed, case.room, p32, fast, np.stack([p256] * T))
+    print(f"{which} {frac}: best bound {case.bound:,.0f} tok/s; adaptive on slow {used:.0%}")
+    rows = [
+        ("lrfu (EMA 0.9 from the prior of 32)", fast),
+        ("lrfu + layer 0's next reads", ahead(fast)),
+        ("lrfu + 0.3 x layer 0's next reads", ahead(fast, b=0.3)),
+        ("adaptive 32 / 256", slow),
+        ("adaptive 32 / 256 + layer 0's next reads", ahead(slow)),
+        ("lrfu + every layer's next reads (an oracle)", ahead(fast, L)),
+    ]
+    case.report([(n, p32, v) for n, v in rows], BASE if which == "bench" else None)
 
 
 def follow_misses(R, sealed, C, init, value):
@@ -233,6 +294,14 @@ def forecast(G: int = 28):
         tok = nxt
     sealed0 = np.arange(N) < P // c.block_size  # the prompt's blocks (the tail is HBM's)
     R, F = np.stack(R) & sealed0, np.stack(F) & sealed0
+    print("layer  precision  recall  recency's recall  forecast = step t's reads  new reads caught")
+    for layer in range(L):
+        f, r, now = F[:-1, layer], R[1:, layer], R[:-1, layer]
+        h, new = (f & r).sum(), r & ~now
+        print(
+            f"{layer:5}  {h / f.sum():9.2f}  {h / r.sum():6.2f}  {(now & r).sum() / r.sum():16.2f}"
+            f"  {(f & now).sum() / f.sum():25.2f}  {(f & new).sum() / new.sum():16.2f}"
+        )
     hit = (F[:-1] & R[1:]).sum()
     print(
         f"forecast of step t + 1's reads (stale forward): precision {hit / F[:-1].sum():.2f}, "
@@ -270,4 +339,4 @@ def forecast(G: int = 28):
 
 
 if __name__ == "__main__":
-    {"prior": prior, "forecast": forecast}[sys.argv[1]]()
+    {"prior": prior, "forecast": forecast, "lookahead": lookahead}[sys.argv[1]](*sys.argv[2:])

@@ -64,11 +64,11 @@ def replay(dec, rec, values) -> float:
     return rec.reads.shape[0] * dec.cache_config.batch / seconds
 
 
-def setup(which: str, frac: float, extra: int = 0):
-    """(decoder, params, prompts, steps) of the case; lrfu without the prior. `extra` (bench
-    only): room for that many more steps, with the case's own HBM pool (the blocks past the
-    case's are never read)."""
-    kw = {"prompt_prior": False}
+def setup(which: str, frac: float, extra: int = 0, kw=None):
+    """(decoder, params, prompts, steps) of the case; lrfu without the prior, or with the
+    policy kwargs `kw`. `extra` (bench only): room for that many more steps, with the case's
+    own HBM pool (the blocks past the case's are never read)."""
+    kw = {"prompt_prior": False} if kw is None else kw
     if which == "bench":
         import bench_decode as bd
 
@@ -116,6 +116,24 @@ def ema_of(R, x0, d):
     return out
 
 
+def adaptive(R, sealed, room, p, fast, slow, d=0.9):
+    """(values [T, layers, N], the share of (step, layer)s on `slow`): per layer and step the
+    estimator, `fast` or `slow` ([T, layers, N], both starting from p), whose top `room` blocks
+    before the step caught more of the step's reads R, decayed by d (ARC's idea)."""
+    T, L, N = R.shape
+    out, sf, ss, pf, ps, used = np.zeros((T, L, N), np.float32), 0.0, 0.0, p, p, []
+    for t in range(T):
+        hits = [
+            np.take_along_axis(R[t], np.argsort(-np.where(sealed, x, -np.inf))[:, :room], 1)
+            for x in (pf, ps)
+        ]
+        sf, ss = d * sf + hits[0].sum(1), d * ss + hits[1].sum(1)
+        out[t] = np.where((ss > sf)[:, None], slow[t], fast[t])
+        used.append(float(np.mean(ss > sf)))
+        pf, ps = fast[t], slow[t]
+    return out, float(np.mean(used))
+
+
 def top(p, sealed, room):
     """[layers, N] bool: the `room` highest of `p` per layer among `sealed`, ties by index."""
     L, N = p.shape
@@ -159,20 +177,6 @@ def main():
             s = dataclasses.replace(s, in_hbm=jnp.asarray(top(p, sealed, room).reshape(L, B, M)))
         return dataclasses.replace(rec, start=s)
 
-    def adaptive(p, fast, slow, d=0.9):
-        """Per layer the estimator whose top `room` blocks caught more of the reads (decayed)."""
-        out, sf, ss, pf, ps, used = np.zeros((T, L, N), np.float32), 0.0, 0.0, p, p, []
-        for t in range(T):
-            hits = [
-                np.take_along_axis(R[t], np.argsort(-np.where(sealed, x, -np.inf))[:, :room], 1)
-                for x in (pf, ps)
-            ]
-            sf, ss = d * sf + hits[0].sum(1), d * ss + hits[1].sum(1)
-            out[t] = np.where((ss > sf)[:, None], slow[t], fast[t])
-            used.append(float(np.mean(ss > sf)))
-            pf, ps = fast[t], slow[t]
-        return out, float(np.mean(used))
-
     zero = np.zeros((L, N), np.float32)
     print(f"{which}: lrfu without the prior {replay(dec, rec, ema(zero, 0.9)):,.0f} tok/s")
     p32 = prior[32]
@@ -184,7 +188,7 @@ def main():
             (f"prior {n} + placement, the prior held constant", start(p), np.stack([p] * T))
         )
     for n in (32, 256):
-        v, used = adaptive(p32, ema(p32, 0.9), np.stack([prior[n]] * T))
+        v, used = adaptive(R, sealed, room, p32, ema(p32, 0.9), np.stack([prior[n]] * T))
         rows.append((f"adaptive: decay 0.9 or constant prior {n} ({used:.0%} slow)", start(p32), v))
     r = ranks.reshape(T, L, N) / np.maximum(ks.reshape(T, L, B), 1)
     x, rank_ema = p32.copy(), np.zeros((T, L, N), np.float32)
