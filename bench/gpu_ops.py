@@ -140,8 +140,10 @@ def build(
     new_tokens: int = NEW_TOKENS,
     fp8: str = "off",
     fp8_age: int = 0,
+    policy_kwargs: dict | None = None,
 ):
-    """(decoder, abstract params, abstract decode state after a `context`-token prefill).
+    """(decoder, abstract params, abstract decode state after a `context`-token prefill);
+    `policy_kwargs` as the Decoder's (e.g. lrfu's {"steady_queries": 256}).
 
     The state comes from `jax.eval_shape` of the decoder's prefill; its leaves are re-made as
     CPU-sharded ShapeDtypeStructs, the cache's host_k / host_v as pinned_host (compiled S(5))."""
@@ -150,7 +152,10 @@ def build(
     mc = model.config
     cache_cfg = cache_config(mc, batch, max_len, hbm_fraction=hbm, fp8=fp8, fp8_age=fp8_age)
     placement = PlacementConfig(policy=policy, attention=mode, topk=topk, window=window)
-    dec = Decoder(model, cache_cfg, placement, max_new_tokens=new_tokens, profile="h200-pcie")
+    dec = Decoder(
+        model, cache_cfg, placement, max_new_tokens=new_tokens, profile="h200-pcie",
+        policy_kwargs=policy_kwargs,
+    )  # fmt: skip
     params = gc.abstract(nnx.split(model)[1], host=lambda p, x: False)
     prompts = jax.ShapeDtypeStruct((batch, context), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
@@ -161,10 +166,11 @@ def build(
 
 
 def compile_cases(
-    layers, context, batch, mode, policy, *, shape, target, what, hbm=0.25, fp8="off", fp8_age=0
-):
+    layers, context, batch, mode, policy, *, shape, target, what, hbm=0.25, fp8="off", fp8_age=0,
+    policy_kwargs=None,
+):  # fmt: skip
     """Compiles the functions in `what` ("step", "window_step", "migrate", "compact",
-    "prefill") for one case.
+    "prefill") for one case (`build`'s arguments).
 
     Returns {function: (CompiledModule, analysis)}."""
     dec, params, state, (prompts, lengths, key) = build(
@@ -177,6 +183,7 @@ def compile_cases(
         hbm=hbm,
         fp8=fp8,
         fp8_age=fp8_age,
+        policy_kwargs=policy_kwargs,
     )
     c = dec.cache_config
     out = {}

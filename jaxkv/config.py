@@ -30,6 +30,8 @@ HOST_KINDS = ("pinned_host", "unpinned_host", "device")
 
 FETCH_OPTIONS = ("auto", "xla", "pallas")  # jaxkv.cache.transfer's mechanisms
 HOST_TIERS = ("write-through", "exclusive")  # CacheConfig.host_tier
+# the prompt's observation window (`jaxkv.decode.prompt`): its last positions whose queries count
+PROMPT_QUERIES = 32
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 

@@ -347,11 +347,11 @@ def bench():
     return _bench()
 
 
-def _rows(bench, mode, policy, what):
+def _rows(bench, mode, policy, what, **kw):
     rows = {}
     for ctx in CONTEXTS:
         res = bench.compile_cases(
-            LAYERS, ctx, 1, mode, policy, shape=bench.SMALL, target="h200", what=what
+            LAYERS, ctx, 1, mode, policy, shape=bench.SMALL, target="h200", what=what, **kw
         )
         rows[ctx] = {fn: _with_program(m, a) for fn, (m, a) in res.items()}
     return rows
@@ -435,6 +435,22 @@ def test_lrfu_prefill_with_the_prompts_prior_compiles_for_the_h200(bench):
             assert a["host_syncs"] == 0 and a["unknown_trip_loops"] == 0, (policy, ctx)
             assert dict(a["loop_trips"]) == {LAYERS: scans}, (policy, ctx, a["loop_trips"])
         assert rows[CONTEXTS[0]]["prefill"]["program"] == rows[CONTEXTS[1]]["prefill"]["program"]
+
+
+@needs_plugin
+def test_lrfu_with_the_adaptive_estimator_must_hold(bench):
+    """`Lrfu(steady_queries=64)`: its step (two top-k per layer, the estimators' hit counts)
+    keeps the must-holds; its prefill recomputes the prompt's last 64 positions and selects
+    their blocks in chunks of 32 (`lax.map`: loops of known trip count), no host sync, the same
+    program at both contexts."""
+    kw = {"policy_kwargs": {"steady_queries": 64}}
+    rows = _rows(bench, "sparse", "lrfu", ["step", "prefill"], **kw)
+    _assert_must_hold(rows, "step", bench)
+    for ctx in CONTEXTS:
+        a = rows[ctx]["prefill"]
+        assert a["host_syncs"] == 0 and a["unknown_trip_loops"] == 0, (ctx, a["loop_trips"])
+        assert dict(a["loop_trips"]).get(2, 0) >= 2, (ctx, a["loop_trips"])  # the chunks
+    assert rows[CONTEXTS[0]]["prefill"]["program"] == rows[CONTEXTS[1]]["prefill"]["program"]
 
 
 @needs_plugin

@@ -47,7 +47,7 @@ from jaxkv.attention.tiered import resolve_impl, tiered_attention
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.decode.follow import apply_follow_moves, empty_follow_moves, follow_layer
 from jaxkv.decode.per_device import PerDevice
-from jaxkv.decode.prompt import forward_prompts, start_cache
+from jaxkv.decode.prompt import forward_prompts, queries_needed, start_cache
 from jaxkv.decode.sampling import Greedy, eos_ids, is_eos, next_tokens
 from jaxkv.decode.setup import (
     abstract_state,
@@ -266,7 +266,7 @@ class Decoder:
         prompts, lengths = prompts.astype(jnp.int32), jnp.asarray(lengths, jnp.int32)
         if prefilled is None:
             return self._prefill(params, prompts, lengths, key)
-        check_prefilled(prefilled, prompts, lengths, self.model_config)
+        check_prefilled(prefilled, prompts, lengths, self.model_config, queries_needed(self.policy))
         return self._start(prefilled, key)
 
     def model_prefill(self, params, prompts, lengths=None) -> Prefilled:
@@ -346,29 +346,31 @@ class Decoder:
 
     def _check_state(self, state, where: str) -> None:
         """ValueError unless `state` is a live state of this Decoder (`check_state`)."""
-        c, vocab = self.cache_config, self.model_config.vocab_size
+        c, vocab, n = self.cache_config, self.model_config.vocab_size, queries_needed(self.policy)
         if "state" not in self._memo:  # the shapes of this Decoder's states, traced once
-            self._memo["state"] = abstract_state(self._start_impl, c, vocab)
+            self._memo["state"] = abstract_state(self._start_impl, c, vocab, n)
         check_state(state, self._memo["state"], c, where)
 
     # ---- implementation -----------------------------------------------------------------------
 
     def _model_prefill_impl(self, params, prompts, lengths) -> Prefilled:
         model = bind(self.graphdef, params)
-        return forward_prompts(model, prompts, lengths, self._layer_windows())
+        n = queries_needed(self.policy)  # 32, or the adaptive estimator's steady_queries
+        return forward_prompts(model, prompts, lengths, self._layer_windows(), n)
 
     def _prefill_impl(self, params, prompts, lengths, key) -> DecodeState:
         return self._start_impl(self._model_prefill_impl(params, prompts, lengths), key)
 
     def _start_impl(self, pre: Prefilled, key) -> DecodeState:
         c = self.cache_config
-        cache, prior = start_cache(c, pre, self.placement, self.policy, self._layer_windows())
+        cache, *priors = start_cache(c, pre, self.placement, self.policy, self._layer_windows())
         key, sub = jax.random.split(key)
         first = self.sampler(pre.last_logits, sub)
         pol = self.policy.init(c.num_layers, c.batch * c.max_blocks)
         done, w, n = is_eos(first, self.eos_id), self.placement.window, self.max_new_tokens
         bad = jnp.where(jnp.all(jnp.isfinite(pre.last_logits), axis=-1), -1, 0).astype(jnp.int32)
-        return initial_state(cache, first, done, key, w, pol, n, self.ema_decay, bad, prior)
+        args = (w, pol, n, self.ema_decay, bad, *priors, c.hbm_pool_slots)
+        return initial_state(cache, first, done, key, *args)
 
     def _active(self, state: DecodeState):
         """[batch] bool: the sequences this step decodes (not done, room in the cache and in

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxkv import cache as kvc
 from jaxkv._pytree import pytree_dataclass, replace
 from jaxkv.config import TIER_HBM, CacheConfig
+from jaxkv.placement import statistics as imp
 from jaxkv.placement.policies import follow_moves
 
 
@@ -68,8 +69,9 @@ def follow_layer(cache, layer, st, staged, pstate, fol: FollowMoves, stats, *, n
     in_hbm = sealed & (cache.tier[layer].reshape(1, N) == TIER_HBM)
     reads = (st.read_hbm | st.read_host).reshape(1, N)
     room = jnp.sum(cache.hbm_free[layer])[None]
+    steady = imp.steady_choice(stats, reads, sealed, layer)  # None but for Lrfu.steady_queries
     target, priority, value = follow.inputs(
-        pstate, stats.read_ema[layer][None], reads, stats.decay, layer
+        pstate, stats.read_ema[layer][None], reads, stats.decay, layer, steady
     )
     pro, n_p, dem, n_d = follow_moves(
         in_hbm, sealed, reads, target, priority, room, K, admit=follow.admit, value=value

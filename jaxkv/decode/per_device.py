@@ -77,6 +77,6 @@ class PerDevice:
         fields = {
             f.name: pool(f.name, getattr(st, f.name))
             for f in dataclasses.fields(st)
-            if f.name != "decay"
+            if not f.metadata.get("static")
         }
         return replace(state, statistics=replace(state.statistics, blocks=replace(st, **fields)))

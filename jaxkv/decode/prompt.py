@@ -22,10 +22,10 @@ import jax.numpy as jnp
 from jaxkv.attention.select import select_blocks
 from jaxkv.cache import ops as cache_ops
 from jaxkv.cache.layout import TieredKVCache
-from jaxkv.config import CacheConfig, PlacementConfig
+from jaxkv.config import PROMPT_QUERIES, CacheConfig, PlacementConfig
 from jaxkv.decode.state import Prefilled
 
-PROMPT_QUERIES = 32  # the observation window: the prompt's last positions whose queries count
+__all__ = ["PROMPT_QUERIES", "prompt_queries", "prompt_prior", "start_cache"]
 
 
 def observed_positions(lengths, n: int = PROMPT_QUERIES):
@@ -38,9 +38,11 @@ def observed_positions(lengths, n: int = PROMPT_QUERIES):
 def prompt_queries(model, prompts, lengths, k, v, windows=None, n: int = PROMPT_QUERIES):
     """Each layer's queries at each prompt's last `n` positions (`observed_positions`).
 
-    Runs `model.decode_step` (a `jaxkv.model_api.bind` model) once on batch x n rows, with an
+    Runs `model.decode_step` (a `jaxkv.model_api.bind` model) on batch x n rows, with an
     `attend` that attends exactly over the prompt's own K and V up to each row's position (and
-    the layer's sliding window), so the rows follow the prefill's residual stream.
+    the layer's sliding window), so the rows follow the prefill's residual stream. Past
+    `PROMPT_QUERIES` rows a sequence it runs in chunks of that many (`lax.map`), so the
+    attention's scores take the same memory at any n (n must then be a multiple of it).
 
     Args:
       prompts: [batch, T] int32; lengths: [batch] int32.
@@ -51,6 +53,20 @@ def prompt_queries(model, prompts, lengths, k, v, windows=None, n: int = PROMPT_
     """
     L, B, T, KV, D = k.shape
     pos, _ = observed_positions(lengths, n)
+    if n > PROMPT_QUERIES:
+        if n % PROMPT_QUERIES:
+            raise ValueError(f"prompt_queries n={n}: expected a multiple of {PROMPT_QUERIES}")
+        c = PROMPT_QUERIES
+        chunks = pos.reshape(B, n // c, c).transpose(1, 0, 2)  # [n / c, B, c]
+        qs = jax.lax.map(lambda p: _queries_at(model, prompts, k, v, windows, p), chunks)
+        return qs.transpose(1, 2, 0, 3, 4, 5).reshape(L, B, n, *qs.shape[-2:])
+    return _queries_at(model, prompts, k, v, windows, pos)
+
+
+def _queries_at(model, prompts, k, v, windows, pos):
+    """`prompt_queries` at positions `pos` [batch, n]: [layers, batch, n, q_heads, head_dim]."""
+    L, B, T, KV, D = k.shape
+    n = pos.shape[1]
     tokens = jnp.take_along_axis(prompts, pos, axis=1).reshape(B * n)
     flat_pos = pos.reshape(B * n)
     seen = {}
@@ -81,30 +97,53 @@ def prompt_queries(model, prompts, lengths, k, v, windows=None, n: int = PROMPT_
     return qs
 
 
-def forward_prompts(model, prompts, lengths, windows=None) -> Prefilled:
+def queries_needed(policy) -> int:
+    """The prompt queries a Decoder of `policy` keeps at prefill: `PROMPT_QUERIES`, or the
+    adaptive estimator's `steady_queries` when more (`jaxkv.placement.policies.Lrfu`)."""
+    return max(PROMPT_QUERIES, int(getattr(policy, "steady_queries", 0)))
+
+
+def forward_prompts(model, prompts, lengths, windows=None, n=PROMPT_QUERIES) -> Prefilled:
     """`Decoder.model_prefill`'s body: the model's prefill over `prompts` (a `bind` model),
-    the logits after each prompt's last token and the observation window's queries."""
+    the logits after each prompt's last token and the last `n` positions' queries."""
     logits, k, v = model.prefill(prompts)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    q = prompt_queries(model, prompts, lengths, k, v, windows)
+    q = prompt_queries(model, prompts, lengths, k, v, windows, n)
     return Prefilled(last_logits=last, k=k, v=v, lengths=lengths, queries=q)
 
 
 def prompt_prior(queries, cache: TieredKVCache, placement: PlacementConfig, windows=None):
     """[layers, batch, max_blocks] float32: for each sealed block, the share of its prompt's
     valid observation queries (`queries` from `prompt_queries`) whose sparse selection at their
-    own position (`select_blocks`) reads it; 0 for blocks not sealed."""
-    L, n = queries.shape[0], queries.shape[2]
+    own position (`select_blocks`) reads it; 0 for blocks not sealed. Past `PROMPT_QUERIES`
+    queries it selects in chunks of that many (`lax.map`; XLA:CPU took minutes to compile the
+    256 queries of the real model's 30 layers at once)."""
+    L, B, n = queries.shape[:3]
     pos, valid = observed_positions(cache.lengths, n)
 
-    def one(layer, i):  # [batch, max_blocks] bool: query i of `layer` selects
-        w = None if windows is None else windows[layer]
-        q = queries[layer, :, i]
-        return select_blocks(q, cache, layer, pos[:, i] + 1, placement, window=w)
+    def count(qs, pos, valid):  # [layers, batch, max_blocks]: the rows of `qs` that select
+        def one(layer, i):  # [batch, max_blocks] bool: query i of `layer` selects
+            w = None if windows is None else windows[layer]
+            return select_blocks(qs[layer, :, i], cache, layer, pos[:, i] + 1, placement, window=w)
 
-    sel = jax.vmap(jax.vmap(one, (None, 0)), (0, None))(jnp.arange(L), jnp.arange(n))
-    sel &= valid.T[None, :, :, None]  # [L, n, B, M]
-    share = sel.sum(1) / jnp.maximum(valid.sum(1), 1)[None, :, None]
+        sel = jax.vmap(jax.vmap(one, (None, 0)), (0, None))(jnp.arange(L), jnp.arange(qs.shape[2]))
+        sel &= valid.T[None, :, :, None]  # [L, n, B, M]
+        return sel.sum(1)
+
+    c = PROMPT_QUERIES
+    if n > c:
+        if n % c:
+            raise ValueError(f"prompt_prior: {n} queries, expected a multiple of {c}")
+        qs = jnp.moveaxis(queries.reshape(L, B, n // c, c, *queries.shape[3:]), 2, 0)
+        parts = (
+            qs,
+            pos.reshape(B, n // c, c).swapaxes(0, 1),
+            valid.reshape(B, -1, c).swapaxes(0, 1),
+        )
+        total = jax.lax.map(lambda x: count(*x), parts).sum(0)
+    else:
+        total = count(queries, pos, valid)
+    share = total / jnp.maximum(valid.sum(1), 1)[None, :, None]
     return jnp.where(cache.sealed, share, 0.0).astype(jnp.float32)
 
 
@@ -115,15 +154,21 @@ def uses_prompt_prior(policy, placement: PlacementConfig) -> bool:
 
 
 def start_cache(c: CacheConfig, pre, placement: PlacementConfig, policy, windows=None):
-    """The cache after prefill from a `Prefilled` and, when `uses_prompt_prior`, the prior:
-    (cache, [layers, batch * max_blocks] float32 read frequency or None). With the prior the
-    sealed blocks fill HBM in its order (ties in write order), per layer."""
+    """The cache after prefill from a `Prefilled` and, when `uses_prompt_prior`, the priors:
+    (cache, prior, steady), each prior [layers, batch * max_blocks] float32 or None: the read
+    frequency of the last `PROMPT_QUERIES` queries and, with the policy's `steady_queries`
+    n, that of the last n (the adaptive estimator's). With the prior the sealed blocks fill
+    HBM in its order (ties in write order), per layer."""
     kv = (pre.k.astype(c.jnp_dtype), pre.v.astype(c.jnp_dtype))
     cache = cache_ops._prefill(TieredKVCache.create(c), *kv, pre.lengths)
     if not uses_prompt_prior(policy, placement):
-        return cache, None
+        return cache, None, None
     # the selection reads this first cache's key bounds only: XLA drops its pools, and the
     # second prefill, in the prior's order, is the one kept
-    prior = prompt_prior(pre.queries, cache, placement, windows)
+    shape = (c.num_layers, c.batch * c.max_blocks)
+    prior = prompt_prior(pre.queries[:, :, -PROMPT_QUERIES:], cache, placement, windows)
+    n, steady = int(getattr(policy, "steady_queries", 0)), None
+    if n:
+        steady = prompt_prior(pre.queries[:, :, -n:], cache, placement, windows).reshape(shape)
     cache = cache_ops._prefill(TieredKVCache.create(c), *kv, pre.lengths, priority=prior)
-    return cache, prior.reshape(c.num_layers, c.batch * c.max_blocks)
+    return cache, prior.reshape(shape), steady

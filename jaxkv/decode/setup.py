@@ -160,9 +160,9 @@ def best_seconds(fn, arg, repeats: int) -> float:
     return best
 
 
-def abstract_state(start, cache_config: CacheConfig, vocab_size: int):
+def abstract_state(start, cache_config: CacheConfig, vocab_size: int, n: int = PROMPT_QUERIES):
     """The shapes and dtypes of a Decoder's states: `jax.eval_shape` of its `start`
-    (`Decoder._start_impl`, a `Prefilled` and a key -> DecodeState)."""
+    (`Decoder._start_impl`, a `Prefilled` with `n` prompt queries and a key -> DecodeState)."""
     c = cache_config
     kv = jax.ShapeDtypeStruct((c.num_layers, c.batch, 1, c.kv_heads, c.head_dim), c.jnp_dtype)
     pre = Prefilled(
@@ -171,7 +171,7 @@ def abstract_state(start, cache_config: CacheConfig, vocab_size: int):
         v=kv,
         lengths=jax.ShapeDtypeStruct((c.batch,), jnp.int32),
         queries=jax.ShapeDtypeStruct(  # any query heads: the state keeps none
-            (c.num_layers, c.batch, PROMPT_QUERIES, c.kv_heads, c.head_dim), c.jnp_dtype
+            (c.num_layers, c.batch, n, c.kv_heads, c.head_dim), c.jnp_dtype
         ),
     )
     return jax.eval_shape(start, pre, jax.random.key(0))
@@ -310,16 +310,18 @@ def check_lengths(lengths, T: int) -> None:
         )
 
 
-def check_prefilled(pre, prompts, lengths, model_config) -> None:
+def check_prefilled(pre, prompts, lengths, model_config, n: int = PROMPT_QUERIES) -> None:
     """ValueError unless `pre` (a `Prefilled`) has the shapes of a forward pass of this model
-    over `prompts` with these `lengths` (its values are not checked)."""
+    over `prompts` with these `lengths`, with at least the `n` prompt queries the Decoder uses
+    (its values are not checked)."""
     mc = model_config
     B, T = prompts.shape
     kv = (mc.num_layers, B, T, mc.num_kv_heads, mc.head_dim)
     want = dict(last_logits=(B, mc.vocab_size), k=kv, v=kv, lengths=(B,))
     qs = tuple(getattr(pre, "queries", np.zeros(0)).shape)
     heads = qs[3] if len(qs) == 5 and qs[3] % mc.num_kv_heads == 0 else "heads"
-    want["queries"] = (mc.num_layers, B, PROMPT_QUERIES, heads, mc.head_dim)
+    rows = qs[2] if len(qs) == 5 and qs[2] >= n else n  # more queries than used: the last n
+    want["queries"] = (mc.num_layers, B, rows, heads, mc.head_dim)
     for name, shape in want.items():
         have = tuple(getattr(pre, name, np.zeros(0)).shape)
         if have != shape:

@@ -169,7 +169,7 @@ class Prefilled:
     v: jax.Array  # [layers, batch, T, kv_heads, head_dim]
     lengths: jax.Array  # [batch] int32: prompt lengths
     queries: jax.Array  # [layers, batch, n, q_heads, head_dim]: the last n positions' queries
-    # (`jaxkv.decode.prompt.prompt_queries`, n = PROMPT_QUERIES)
+    # (`jaxkv.decode.prompt.prompt_queries`, n = `queries_needed(policy)`: 32 or more)
 
 
 def initial_state(
@@ -183,17 +183,22 @@ def initial_state(
     decay: float,
     bad_step,
     read_prior=None,
+    steady=None,
+    room: int = 0,
 ):
     """The DecodeState after prefill: `first` [batch] sampled tokens (`done` those that stop;
     `bad_step` [batch] int32 0 where the prefill's logits were not finite, else -1),
     the first window of `window` steps with the policy's initial state, and empty statistics
     and metrics over `max_new_tokens` steps (read statistics decaying by `decay` a step; the
     blocks' read frequency starts at `read_prior` [layers, batch * max_blocks] if given, the
-    prompt's prior of `jaxkv.decode.prompt`)."""
+    prompt's prior of `jaxkv.decode.prompt`; with `steady`, the adaptive estimator's steady
+    read frequency, over a layer's `room` HBM slots: `jaxkv.placement.statistics.with_steady`)."""
     L, B, M = cache.tier.shape
     stats = imp.init_stats(L, B * M, decay=decay)
     if read_prior is not None:
         stats = replace(stats, read_ema=read_prior.astype(jnp.float32))
+    if steady is not None:
+        stats = imp.with_steady(stats, steady, room)
     zeros_f = jnp.zeros((max_new_tokens,), jnp.float32)
     return DecodeState(
         cache=cache,

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv._pytree import pytree_dataclass, static_field
-from jaxkv.config import AnnealConfig, check_number
+from jaxkv.config import PROMPT_QUERIES, AnnealConfig, check_number
 from jaxkv.cost import CostModel
 from jaxkv.placement import anneal
 from jaxkv.placement import statistics as imp
@@ -314,13 +314,19 @@ class Follow:
         if self.admit not in FOLLOW_ADMITS:
             raise ValueError(f"Follow admit must be one of {FOLLOW_ADMITS}, got {self.admit!r}")
 
-    def inputs(self, pstate, read_ema, reads, decay: float, layer=None):
+    def inputs(self, pstate, read_ema, reads, decay: float, layer=None, steady=None):
         """(target, priority, value) for `follow_moves` ([rows, N] each, or None): the plan's
         target and expected reads (the policy's state `pstate`, [layers, N]; row `layer` as
         [1, N] if given), or under admit="value" the blocks' values alone (`follow_value` of
-        `read_ema` and `reads`, [rows, N]; the plan is not read)."""
+        `read_ema` and `reads`, [rows, N]; the plan is not read), where `steady` (None, or
+        `jaxkv.placement.statistics.steady_choice`'s (steady [rows, N], [rows] bool)) picks a
+        row's steady read frequency instead."""
         if self.admit == "value":
-            return None, None, follow_value(read_ema, reads, decay)
+            value = follow_value(read_ema, reads, decay)
+            if steady is not None:
+                rows, pick = steady
+                value = jnp.where(pick[:, None], rows, value)
+            return None, None, value
         if layer is None:
             return pstate.target, pstate.priority, None
         return pstate.target[layer][None], pstate.priority[layer][None], None
@@ -337,11 +343,20 @@ class Lrfu(PolicyBase):
     values tie and nothing moves. With `prompt_prior` (the default) the read frequency starts
     at the prompt's prior and the sealed blocks fill HBM in its order at prefill: the share of
     the prompt's last queries that would read each block (`jaxkv.decode.prompt`). Measured
-    against LRU, the annealer's plans and the bounds: bench/RESULTS.md section 5."""
+    against LRU, the annealer's plans and the bounds: bench/RESULTS.md section 5.
+
+    steady_queries: 0 (the default), or n, a multiple of `PROMPT_QUERIES` (32): the adaptive
+      estimator. Beside the decayed read frequency each layer keeps the prior of the prompt's
+      last n queries, held constant, and per step values blocks by whichever of the two
+      estimators' top blocks (as many as a layer's HBM slots) held more of the recent reads
+      (`jaxkv.placement.statistics.steady_choice`). A trained model's reads drift and keep the
+      decayed frequency; a stationary trace's take the steady one
+      (bench/notebook/2026-12-06-forecast-limits.md). Needs `prompt_prior`."""
 
     name: str = "lrfu"
     follow: Follow = Follow("value")
     prompt_prior: bool = True
+    steady_queries: int = 0
     plans = False
 
     def __post_init__(self):
@@ -349,6 +364,17 @@ class Lrfu(PolicyBase):
             raise ValueError(f"Lrfu follow must be Follow('value'), got {self.follow!r}")
         if not isinstance(self.prompt_prior, bool):
             raise ValueError(f"Lrfu prompt_prior must be a bool, got {self.prompt_prior!r}")
+        n = self.steady_queries
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n % PROMPT_QUERIES:
+            raise ValueError(
+                f"Lrfu steady_queries={n!r}: expected 0 (off) or a positive multiple of "
+                f"{PROMPT_QUERIES} (the prompt's last queries whose prior is held steady)"
+            )
+        if n and not self.prompt_prior:
+            raise ValueError(
+                f"Lrfu steady_queries={n} needs prompt_prior=True (its steady estimator is the "
+                "prompt's prior)"
+            )
 
     def plan(self, state, obs: Observation, env: CostModel | None = None):
         return state, obs.in_hbm & obs.valid

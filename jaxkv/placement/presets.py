@@ -128,7 +128,8 @@ KNOBS: dict[str, Any] = dict(
 )
 
 
-LRFU_KNOBS = ("prompt_prior",)  # `Lrfu`'s fields a caller may set (`resolve`'s overrides)
+# `Lrfu`'s fields a caller may set (`resolve`'s overrides)
+LRFU_KNOBS = ("prompt_prior", "steady_queries")
 
 
 def split_policies(text: str, label: str = "--policies") -> list[str]:

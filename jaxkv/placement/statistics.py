@@ -19,6 +19,8 @@ the decode loop.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -51,7 +53,15 @@ class Stats:
     # [layers, N] int32: length of the run of consecutive steps read that ends at `last_read`
     # (0 = never read); None: the reuse classes ignore run lengths (F x REUSE_BUCKETS counts)
     streak: jax.Array | None = None
+    # the adaptive estimator (`jaxkv.placement.policies.Lrfu.steady_queries`; None without it):
+    # [layers, N] float32, the steady read frequency (the prompt's prior, held constant), and
+    # [layers] float32, the decayed counts of the reads that the `room` most valuable valid
+    # blocks held before each step, by read_ema and by `steady` (`estimator_hits`)
+    steady: jax.Array | None = None
+    ema_hits: jax.Array | None = None
+    steady_hits: jax.Array | None = None
     decay: float = static_field(default=READ_DECAY)
+    room: int = static_field(default=0)  # the HBM slots of a layer the hit counts assume
 
 
 def init_stats(
@@ -111,6 +121,10 @@ def update_stats(stats: Stats, reads, mass, step, valid=None) -> Stats:
         v = jnp.ones(reads.shape, jnp.float32) if valid is None else valid.astype(jnp.float32)
         seen = (REUSE_DECAY * seen).at[rows, cls].add(v)
         got = (REUSE_DECAY * got).at[rows, cls].add(v * reads)
+    ema_hits, steady_hits = stats.ema_hits, stats.steady_hits
+    if stats.steady is not None:
+        v = jnp.ones(reads.shape, bool) if valid is None else valid
+        ema_hits, steady_hits = estimator_hits(stats, reads, v)
     last_read, read_ema, streak = fold_reads(
         stats.last_read, stats.read_ema, stats.streak, reads, step, d
     )
@@ -122,8 +136,55 @@ def update_stats(stats: Stats, reads, mass, step, valid=None) -> Stats:
         since_seen=seen,
         since_read=got,
         streak=streak,
+        steady=stats.steady,
+        ema_hits=ema_hits,
+        steady_hits=steady_hits,
         decay=d,
+        room=stats.room,
     )
+
+
+def with_steady(stats: Stats, steady, room: int) -> Stats:
+    """`stats` with the adaptive estimator: `steady` [layers, N] held constant beside read_ema,
+    no hits counted yet, the `room` most valuable blocks of a layer compared (>= 1)."""
+    if isinstance(room, bool) or not isinstance(room, int) or room < 1:
+        raise ValueError(f"with_steady room={room!r}: expected an int >= 1 (HBM slots a layer)")
+    zeros = jnp.zeros(stats.read_ema.shape[:1], jnp.float32)
+    steady = jnp.asarray(steady, jnp.float32).reshape(stats.read_ema.shape)
+    return dataclasses.replace(
+        stats, steady=steady, ema_hits=zeros, steady_hits=zeros, room=int(room)
+    )
+
+
+def estimator_hits(stats: Stats, reads, valid, layer=None):
+    """([rows] ema_hits, [rows] steady_hits) after a step: each count decayed, plus the step's
+    reads [rows, N] that the estimator's `stats.room` most valuable `valid` [rows, N] blocks
+    held before it (ties to the lower index). Rows are all layers, or `layer` alone (an int or
+    a traced int: [1, N] reads). ARC's idea, per layer: the estimator that caught more of the
+    recent reads is the one to trust (`steady_choice`)."""
+
+    def row(x):
+        return x if layer is None else x[layer][None]
+
+    def caught(x):
+        k = min(stats.room, x.shape[-1])
+        _, idx = jax.lax.top_k(jnp.where(valid, x, -jnp.inf), k)
+        return jnp.sum(jnp.take_along_axis(reads & valid, idx, axis=-1), -1).astype(jnp.float32)
+
+    d = stats.decay
+    ema = d * row(stats.ema_hits) + caught(row(stats.read_ema))
+    return ema, d * row(stats.steady_hits) + caught(row(stats.steady))
+
+
+def steady_choice(stats: Stats, reads, valid, layer=None):
+    """None without the adaptive estimator; else (steady [rows, N], [rows] bool): the steady
+    read frequency and whether it, rather than read_ema, caught more of the reads with this
+    step's (`estimator_hits`; a tie keeps read_ema)."""
+    if stats.steady is None:
+        return None
+    ema, steady = estimator_hits(stats, reads, valid, layer)
+    rows = stats.steady if layer is None else stats.steady[layer][None]
+    return rows, steady > ema
 
 
 def fold_reads(last_read, read_ema, streak, reads, step, decay: float = READ_DECAY):

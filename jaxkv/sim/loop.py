@@ -292,8 +292,9 @@ def _step(setup: LoopSetup, carry, xs, future=None):
         K = max(0, min(setup.placement.max_moves, N))
         flat = in_hbm.reshape(L, N)
         flat_read = read.reshape(L, N)
+        steady = imp.steady_choice(stats, flat_read, sealed.reshape(L, N))
         target, priority, value = policy.follow.inputs(
-            pl.policy, stats.read_ema, flat_read, stats.decay
+            pl.policy, stats.read_ema, flat_read, stats.decay, steady=steady
         )
         pro, n_p, dem, n_d = follow_moves(
             flat,

@@ -268,7 +268,8 @@ def _follow(k: _Chunk, r, valid, in_hbm, stats, pstate, now, mig_h, mig_l, moved
     budget = policy.budget if policy.budget is not None else N
     room = s.capacity - jnp.sum(in_hbm, axis=-1)
     fol = policy.follow
-    target, priority, value = fol.inputs(pstate, stats.read_ema, r, stats.decay)
+    steady = imp.steady_choice(stats, r, valid)
+    target, priority, value = fol.inputs(pstate, stats.read_ema, r, stats.decay, steady=steady)
     pro_i, n_p, dem_i, n_d = follow_moves(
         in_hbm, valid, r, target, priority, room, budget, fol.admit, value
     )

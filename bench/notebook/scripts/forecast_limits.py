@@ -24,10 +24,13 @@ step's queries is the lever beyond it.
             are known exactly once the next token is sampled. Alone and on top of the adaptive
             estimator (`prompt_prior.adaptive`), with every layer's next reads as the oracle.
             bench (the 8k case, with the share of its gap) or real 0.25 / 0.10 (the demo).
+  decoded   lrfu and lrfu with the adaptive estimator (`steady_queries=256`) decoded in the
+            loop itself, the same cases (1-2 min each; the real model's 4 min).
 
   python bench/notebook/scripts/forecast_limits.py prior
   python bench/notebook/scripts/forecast_limits.py forecast
   python bench/notebook/scripts/forecast_limits.py lookahead [bench | real 0.25 | real 0.10]
+  python bench/notebook/scripts/forecast_limits.py decoded [bench | real 0.25 | real 0.10]
 """
 
 import dataclasses
@@ -166,6 +169,24 @@ def lookahead(which: str = "bench", frac: str = "0.25"):
         ("lrfu + every layer's next reads (an oracle)", ahead(fast, L)),
     ]
     case.report([(n, p32, v) for n, v in rows], BASE if which == "bench" else None)
+
+
+def decoded(which: str = "bench", frac: str = "0.25"):
+    """lrfu and lrfu with the adaptive estimator (`steady_queries=256`) decoded in the loop
+    (`Decoder` through `jaxkv.sim.loop.record`): modeled tok/s, the best bound, and where the
+    steady estimator leads at the end."""
+    for kw in ({}, {"steady_queries": 256}):
+        dec, params, prompts, steps = pp_script.setup(which, float(frac), kw=kw)
+        rec, end = loop.record(dec, params, dec.prefill(params, prompts), steps)
+        B = dec.cache_config.batch
+        tps = steps * B / float(np.sum(np.asarray(rec.decoded.latency, np.float64)))
+        bound = steps * B / loop.bounds(loop.LoopSetup.of(dec), rec)["best"]
+        s, lead = end.statistics.blocks, ""
+        if s.steady is not None:
+            wins = np.mean(np.asarray(s.steady_hits) > np.asarray(s.ema_hits))
+            lead = f"; the steady estimator leads on {wins:.0%} of the layers at the end"
+        share = f" (closes {(tps - BASE) / (bound - BASE):.1%})" if which == "bench" else ""
+        print(f"{which} {frac} lrfu {kw or ''}: {tps:,.0f} tok/s{share}, bound {bound:,.0f}{lead}")
 
 
 def follow_misses(R, sealed, C, init, value):
@@ -339,4 +360,5 @@ def forecast(G: int = 28):
 
 
 if __name__ == "__main__":
-    {"prior": prior, "forecast": forecast, "lookahead": lookahead}[sys.argv[1]](*sys.argv[2:])
+    modes = {"prior": prior, "forecast": forecast, "lookahead": lookahead, "decoded": decoded}
+    modes[sys.argv[1]](*sys.argv[2:])
