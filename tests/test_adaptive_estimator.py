@@ -127,6 +127,7 @@ def _host_reads(rec):
     return int(np.sum(rec.decoded.reads) - np.sum(rec.decoded.hbm_reads))
 
 
+@pytest.mark.slow  # 26 s; the default suite keeps the hit counts' unit test and lrfu's replay
 def test_lrfu_starts_the_estimator_from_the_prompt_and_replays_exactly(tiny):
     """The state after prefill: read_ema the prior of the last 32 queries, `steady` that of the
     last 64, the room a layer's HBM pool. On the tiny model the decayed frequency wins; with
