@@ -25,14 +25,22 @@ from jaxkv.cache.layout import TieredKVCache
 from jaxkv.config import PROMPT_QUERIES, CacheConfig, PlacementConfig
 from jaxkv.decode.state import Prefilled
 
-__all__ = ["PROMPT_QUERIES", "prompt_queries", "prompt_prior", "start_cache"]
-
 
 def observed_positions(lengths, n: int = PROMPT_QUERIES):
     """([batch, n] int32 positions, [batch, n] bool valid): each prompt's last `n` positions;
     those before position 0 (a prompt shorter than `n`) are clipped to 0 and not valid."""
     pos = jnp.asarray(lengths, jnp.int32)[:, None] - n + jnp.arange(n, dtype=jnp.int32)[None]
     return jnp.maximum(pos, 0), pos >= 0
+
+
+def _chunked(x, axis: int, what: str):
+    """`x` with its `axis` of n entries (a multiple of `PROMPT_QUERIES`, else a ValueError
+    that starts with `what`) split into chunks of that many, the chunk index leading:
+    [n / PROMPT_QUERIES, ..., PROMPT_QUERIES, ...], for a `lax.map` over the chunks."""
+    n, c = x.shape[axis], PROMPT_QUERIES
+    if n % c:
+        raise ValueError(f"{what} expected a multiple of {c}")
+    return jnp.moveaxis(x.reshape(*x.shape[:axis], n // c, c, *x.shape[axis + 1 :]), axis, 0)
 
 
 def prompt_queries(model, prompts, lengths, k, v, windows=None, n: int = PROMPT_QUERIES):
@@ -54,10 +62,7 @@ def prompt_queries(model, prompts, lengths, k, v, windows=None, n: int = PROMPT_
     L, B, T, KV, D = k.shape
     pos, _ = observed_positions(lengths, n)
     if n > PROMPT_QUERIES:
-        if n % PROMPT_QUERIES:
-            raise ValueError(f"prompt_queries n={n}: expected a multiple of {PROMPT_QUERIES}")
-        c = PROMPT_QUERIES
-        chunks = pos.reshape(B, n // c, c).transpose(1, 0, 2)  # [n / c, B, c]
+        chunks = _chunked(pos, 1, f"prompt_queries n={n}:")  # [n / c, B, c]
         qs = jax.lax.map(lambda p: _queries_at(model, prompts, k, v, windows, p), chunks)
         return qs.transpose(1, 2, 0, 3, 4, 5).reshape(L, B, n, *qs.shape[-2:])
     return _queries_at(model, prompts, k, v, windows, pos)
@@ -118,7 +123,7 @@ def prompt_prior(queries, cache: TieredKVCache, placement: PlacementConfig, wind
     own position (`select_blocks`) reads it; 0 for blocks not sealed. Past `PROMPT_QUERIES`
     queries it selects in chunks of that many (`lax.map`; XLA:CPU took minutes to compile the
     256 queries of the real model's 30 layers at once)."""
-    L, B, n = queries.shape[:3]
+    L, n = queries.shape[0], queries.shape[2]
     pos, valid = observed_positions(cache.lengths, n)
 
     def count(qs, pos, valid):  # [layers, batch, max_blocks]: the rows of `qs` that select
@@ -130,16 +135,9 @@ def prompt_prior(queries, cache: TieredKVCache, placement: PlacementConfig, wind
         sel &= valid.T[None, :, :, None]  # [L, n, B, M]
         return sel.sum(1)
 
-    c = PROMPT_QUERIES
-    if n > c:
-        if n % c:
-            raise ValueError(f"prompt_prior: {n} queries, expected a multiple of {c}")
-        qs = jnp.moveaxis(queries.reshape(L, B, n // c, c, *queries.shape[3:]), 2, 0)
-        parts = (
-            qs,
-            pos.reshape(B, n // c, c).swapaxes(0, 1),
-            valid.reshape(B, -1, c).swapaxes(0, 1),
-        )
+    if n > PROMPT_QUERIES:
+        what = f"prompt_prior: {n} queries,"
+        parts = (_chunked(queries, 2, what), _chunked(pos, 1, what), _chunked(valid, 1, what))
         total = jax.lax.map(lambda x: count(*x), parts).sum(0)
     else:
         total = count(queries, pos, valid)

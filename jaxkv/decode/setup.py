@@ -15,9 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv._pytree import replace
-from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
+from jaxkv.config import PROMPT_QUERIES, CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.cost import CostModel
-from jaxkv.decode.prompt import PROMPT_QUERIES
 from jaxkv.decode.state import DecodeState, Prefilled
 from jaxkv.model_api import FunctionalModel
 from jaxkv.placement.presets import BASES, Settings, check_policy, resolve, split_name

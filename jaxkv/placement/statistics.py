@@ -19,12 +19,10 @@ the decode loop.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-from jaxkv._pytree import pytree_dataclass, static_field
+from jaxkv._pytree import pytree_dataclass, replace, static_field
 
 READ_DECAY = 0.9  # per-step decay of read_ema and mass_ema
 REUSE_BUCKETS = 64  # steps-since-last-read classes of the reuse law: 1 .. 62, then ">= 63 / never"
@@ -151,9 +149,7 @@ def with_steady(stats: Stats, steady, room: int) -> Stats:
         raise ValueError(f"with_steady room={room!r}: expected an int >= 1 (HBM slots a layer)")
     zeros = jnp.zeros(stats.read_ema.shape[:1], jnp.float32)
     steady = jnp.asarray(steady, jnp.float32).reshape(stats.read_ema.shape)
-    return dataclasses.replace(
-        stats, steady=steady, ema_hits=zeros, steady_hits=zeros, room=int(room)
-    )
+    return replace(stats, steady=steady, ema_hits=zeros, steady_hits=zeros, room=int(room))
 
 
 def estimator_hits(stats: Stats, reads, valid, layer=None):
