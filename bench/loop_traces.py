@@ -9,6 +9,10 @@ the demo and bench_decode charge it); "plan ms" is one plan's CPU time on this m
 
     python bench/loop_traces.py bench/traces/smollm2_gpl3.npz bench/traces/smollm2_doctest.npz \
         --json bench/results/loop_traces.json
+
+A policy may carry knobs after colons: `lrfu:lookahead` is `Lrfu(lookahead=True)` (a trace's
+next step is known, so layer 0's next reads are what the decode loop's lookahead would know),
+`lrfu:steady_queries=256` sets a value (`jaxkv.placement.presets.LRFU_KNOBS`, `KNOBS`).
 """
 
 from __future__ import annotations
@@ -56,6 +60,11 @@ def parse_args(argv=None):
     if bad:
         ap.error(f"--cases {bad}: expected some of {list(CASES)}")
     args.policy_list = [p for p in args.policies.split(",") if p]
+    for p in args.policy_list:
+        try:
+            policy_spec(p)
+        except ValueError as e:
+            ap.error(f"--policies {p!r}: {e}")
     for p in args.traces:
         if not os.path.isfile(p):
             ap.error(f"trace {p!r} is not a file")
@@ -64,6 +73,19 @@ def parse_args(argv=None):
 
         check_writable(args.json, "--json")
     return args
+
+
+def policy_spec(spec: str) -> tuple[str, dict]:
+    """("lrfu", {"lookahead": True}) from "lrfu:lookahead"; "k=v" parses v as JSON."""
+    name, *items = spec.split(":")
+    knobs = {}
+    for item in items:
+        k, eq, v = item.partition("=")
+        try:
+            knobs[k] = json.loads(v) if eq else True
+        except json.JSONDecodeError:
+            raise ValueError(f"knob {item!r}: expected name or name=value (JSON)") from None
+    return name, knobs
 
 
 def run_case(trace, case: str, args) -> dict:
@@ -80,7 +102,10 @@ def run_case(trace, case: str, args) -> dict:
         host_tier=args.host_tier,
         geometry=geometry,
     )
-    setups = {p: loop_trace.trace_setup(trace, p, **kw) for p in args.policy_list}
+    setups = {}
+    for p in args.policy_list:
+        name, knobs = policy_spec(p)
+        setups[p] = loop_trace.trace_setup(trace, name, policy_kwargs=knobs, **kw)
     rec = loop_trace.trace_record(trace, next(iter(setups.values())), args.sparsity)
     b = loop.bounds(next(iter(setups.values())), rec)
     rows = {}

@@ -32,6 +32,9 @@ FETCH_OPTIONS = ("auto", "xla", "pallas")  # jaxkv.cache.transfer's mechanisms
 HOST_TIERS = ("write-through", "exclusive")  # CacheConfig.host_tier
 # the prompt's observation window (`jaxkv.decode.prompt`): its last positions whose queries count
 PROMPT_QUERIES = 32
+# lrfu's adaptive estimator: the prompt's last positions whose prior it holds steady
+# (`jaxkv.placement.policies.Lrfu.steady_queries`; bench/notebook/2026-12-06-forecast-limits.md)
+STEADY_QUERIES = 128
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 

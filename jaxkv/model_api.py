@@ -24,6 +24,10 @@ pytree wrapped as `FunctionalModel`. The Decoder uses exactly this of it (`Model
                 return the last one. At prefill the Decoder also calls it once on batch x 32
                 rows, the prompts' last positions, with an `attend` of its own
                 (`jaxkv.decode.prompt`): rows are independent sequences of any count.
+  first_query   optional: (tokens [B] int32, positions [B] int32) -> q [B, H, head_dim], the
+                queries `decode_step` passes to `attend` for layer 0 (they depend on the token
+                and its position only). With it, `Lrfu(lookahead=True)` knows layer 0's next
+                reads once the next token is sampled (`jaxkv.decode.follow`).
 
 For an NNX module the Decoder's `params` are `nnx.split(model)[1]`; for a `FunctionalModel`
 any pytree, given to its functions first: `prefill(params, tokens)` and
@@ -78,6 +82,8 @@ class Model(Protocol):
         self, tokens: jax.Array, positions: jax.Array, attend: AttendFn, carry: Any
     ) -> tuple[jax.Array, Any]: ...
 
+    # optional: def first_query(self, tokens, positions) -> jax.Array (module docstring)
+
 
 class TensorParallel(Protocol):
     """What `jaxkv.decode.sharded.ShardedDecoder` needs of a model beyond `Model`: how it splits
@@ -110,6 +116,8 @@ class FunctionalModel:
         their bytes are kept, the weights a decode step reads, for the modeled step time
         and the plans' pricing. Give this or `weight_bytes`.
       weight_bytes: those bytes directly.
+      first_query: optional, (params, tokens [B], positions [B]) -> layer 0's queries [B, H,
+        head_dim] as `decode_step` computes them (module docstring).
 
     The Decoder's `prefill`, `generate` etc. then take the params pytree itself.
     """
@@ -118,6 +126,7 @@ class FunctionalModel:
     prefill: Callable
     decode_step: Callable
     weight_bytes: float | None = None
+    first_query: Callable | None = None
     params: dataclasses.InitVar[Any] = None
 
     def __post_init__(self, params):
@@ -173,8 +182,17 @@ def check_model(model) -> Any:
             sig = "(tokens)" if name == "prefill" else "(tokens, positions, attend, carry)"
             raise TypeError(f"{what} has no method {name}{sig} {_GUIDE}")
         _check_arity(f"{what}.{name}", fn, arity + functional, functional)
+    if has_first_query(model):
+        _check_arity(f"{what}.first_query", model.first_query, 2 + functional, functional)
+    elif getattr(model, "first_query", None) is not None:
+        raise TypeError(f"{what}.first_query is not callable {_GUIDE}")
     check_model_config(model.config, f"{what}.config")
     return model.config
+
+
+def has_first_query(model) -> bool:
+    """The model (or what the Decoder keeps of it) gives the optional `first_query`."""
+    return callable(getattr(model, "first_query", None))
 
 
 def _check_arity(label: str, fn, n: int, functional: bool) -> None:
@@ -187,8 +205,9 @@ def _check_arity(label: str, fn, n: int, functional: bool) -> None:
     try:
         sig.bind(*range(n))
     except TypeError:
-        args = ("params, " if functional else "") + (
-            "tokens" if label.endswith("prefill") else "tokens, positions, attend, carry"
+        args = {"prefill": "tokens", "first_query": "tokens, positions"}
+        args = ("params, " if functional else "") + args.get(
+            label.rsplit(".", 1)[1], "tokens, positions, attend, carry"
         )
         raise TypeError(
             f"{label}{sig} cannot be called as {label.rsplit('.', 1)[1]}({args}) {_GUIDE}"
@@ -237,13 +256,15 @@ def bind(static, params) -> Model:
         cfg = static.config
         prefill = lambda tokens: static.prefill(params, tokens)  # noqa: E731
         decode = lambda *args: static.decode_step(params, *args)  # noqa: E731
+        first = static.first_query and (lambda *args: static.first_query(params, *args))
         name = "FunctionalModel"
     else:
         from flax import nnx
 
         model = nnx.merge(static, params)
         cfg, prefill, decode, name = model.config, model.prefill, model.decode_step, "model"
-    return _Checked(cfg, prefill, decode, name)
+        first = getattr(model, "first_query", None)
+    return _Checked(cfg, prefill, decode, name, first)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +275,22 @@ class _Checked:
     _prefill: Callable
     _decode: Callable
     name: str
+    _first: Callable | None = None
+
+    def first_query(self, tokens, positions):
+        """Layer 0's queries [B, H, head_dim] for `tokens` at `positions` (the model's
+        optional `first_query`; ValueError without one)."""
+        if self._first is None:
+            raise ValueError(f"{self.name} has no first_query(tokens, positions) {_GUIDE}")
+        q = self._first(tokens, positions)
+        c, B = self.config, tokens.shape[0]
+        H = q.shape[1] if q.ndim == 3 else 0
+        if q.ndim != 3 or q.shape[0] != B or q.shape[2] != c.head_dim or H % c.num_kv_heads:
+            raise ValueError(
+                f"{self.name}.first_query returned shape {tuple(q.shape)}: expected (batch={B}, "
+                f"heads, head_dim={c.head_dim}), heads a multiple of num_kv_heads={c.num_kv_heads}"
+            )
+        return q
 
     def prefill(self, tokens):
         out = self._prefill(tokens)

@@ -549,3 +549,13 @@ class Llama(nnx.Module):
 
         (h, carry), _ = self._scan_layers(body, (h, carry))
         return self._logits(h), carry
+
+    def first_query(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        """Layer 0's queries [batch, num_heads, head_dim] for ``tokens`` [batch] at ``positions``
+        [batch], as ``decode_step`` passes them to ``attend`` (the optional part of the model
+        interface, ``jaxkv.model_api``): they depend on the token and its position only, so the
+        decode loop knows layer 0's next reads once the next token is sampled."""
+        self._check_tokens(tokens, 1, "Llama.first_query tokens")
+        block = self.layer(0)
+        h = self.embed[...][tokens]
+        return self._qkv(block, block.attn_norm(h), positions)[0]

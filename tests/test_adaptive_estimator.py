@@ -11,7 +11,7 @@ from flax import nnx
 from jaxkv import Decoder
 from jaxkv._pytree import replace
 from jaxkv.attention.select import select_blocks
-from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
+from jaxkv.config import STEADY_QUERIES, CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.decode import prompt as pp
 from jaxkv.model_api import bind
 from jaxkv.placement import policies as pol
@@ -136,7 +136,7 @@ def test_lrfu_starts_the_estimator_from_the_prompt_and_replays_exactly(tiny):
     step by step, and the tokens equal plain lrfu's."""
     model, params = tiny
     prompts = _prompts()
-    dec, plain = _decoder(model, steady_queries=64), _decoder(model)
+    dec, plain = _decoder(model, steady_queries=64), _decoder(model, steady_queries=0)
     pre = dec.model_prefill(params, prompts, PROMPTS_LEN)
     assert pre.queries.shape[2] == 64
     st = dec.prefill(params, prompts, PROMPTS_LEN, prefilled=pre)
@@ -177,14 +177,19 @@ def test_the_knob_and_its_errors(tiny):
     from jaxkv.placement import presets
 
     env = CostModel(block_bytes=1024.0)
-    assert presets.resolve("lrfu", env).steady_queries == 0
-    assert presets.resolve("lrfu", env, steady_queries=256) == pol.Lrfu(steady_queries=256)
+    assert (
+        presets.resolve("lrfu", env).steady_queries == STEADY_QUERIES == 128
+    )  # the default, with the prior
+    assert pol.Lrfu(prompt_prior=False).steady_queries == 0  # none without it
+    assert pol.Lrfu(steady_queries=None) == pol.Lrfu(steady_queries=128) == pol.Lrfu()
+    assert presets.resolve("lrfu", env, steady_queries=0) == pol.Lrfu(steady_queries=0)
     for bad in (48, -32, True, 64.0):
         with pytest.raises(ValueError, match=rf"Lrfu steady_queries={bad!r}: expected 0 \(off\)"):
             pol.Lrfu(steady_queries=bad)
     with pytest.raises(ValueError, match="steady_queries=64 needs prompt_prior=True"):
         pol.Lrfu(steady_queries=64, prompt_prior=False)
     model, params = tiny
-    pre = _decoder(model).model_prefill(params, _prompts(), PROMPTS_LEN)  # 32 queries
+    pre = _decoder(model).model_prefill(params, _prompts(), PROMPTS_LEN)  # 128 queries
+    pre = replace(pre, queries=pre.queries[:, :, -32:])  # as a decoder of 32 would keep
     with pytest.raises(ValueError, match=r"prefilled.queries has shape \(2, 2, 32, .*\(2, 2, 64,"):
         _decoder(model, steady_queries=64).prefill(params, _prompts(), PROMPTS_LEN, prefilled=pre)

@@ -427,9 +427,12 @@ def test_decode_step_must_hold(bench, mode, policy):
 def test_lrfu_prefill_with_the_prompts_prior_compiles_for_the_h200(bench):
     """lrfu's prefill recomputes the prompt's last positions (`jaxkv.decode.prompt`): a second
     scan over the layers beside the forward's, of known trip count; no host sync; the same
-    program at both contexts. Static's prefill drops the unread queries: one scan."""
+    program at both contexts. Static's prefill drops the unread queries: one scan. (lrfu at
+    its defaults keeps 128 queries, in `lax.map` chunks: the adaptive estimator's test below;
+    here without it, 32.)"""
     for policy, scans in (("static", 1), ("lrfu", 2)):
-        rows = _rows(bench, "sparse", policy, ["prefill"])
+        kw = {"policy_kwargs": {"steady_queries": 0}} if policy == "lrfu" else {}
+        rows = _rows(bench, "sparse", policy, ["prefill"], **kw)
         for ctx in CONTEXTS:
             a = rows[ctx]["prefill"]
             assert a["host_syncs"] == 0 and a["unknown_trip_loops"] == 0, (policy, ctx)
@@ -442,15 +445,32 @@ def test_lrfu_with_the_adaptive_estimator_must_hold(bench):
     """`Lrfu(steady_queries=64)`: its step (two top-k per layer, the estimators' hit counts)
     keeps the must-holds; its prefill recomputes the prompt's last 64 positions and selects
     their blocks in chunks of 32 (`lax.map`: loops of known trip count), no host sync, the same
-    program at both contexts."""
+    program at both contexts; so does the default's prefill (128 queries, chunks of 4 trips)."""
     kw = {"policy_kwargs": {"steady_queries": 64}}
     rows = _rows(bench, "sparse", "lrfu", ["step", "prefill"], **kw)
     _assert_must_hold(rows, "step", bench)
+    default = _rows(bench, "sparse", "lrfu", ["prefill"])  # 128 queries: chunks of 4 trips
     for ctx in CONTEXTS:
         a = rows[ctx]["prefill"]
         assert a["host_syncs"] == 0 and a["unknown_trip_loops"] == 0, (ctx, a["loop_trips"])
         assert dict(a["loop_trips"]).get(2, 0) >= 2, (ctx, a["loop_trips"])  # the chunks
+        d = default[ctx]["prefill"]
+        assert d["host_syncs"] == 0 and d["unknown_trip_loops"] == 0, (ctx, d["loop_trips"])
+        assert dict(d["loop_trips"]).get(128 // 32, 0) >= 2, (ctx, d["loop_trips"])
     assert rows[CONTEXTS[0]]["prefill"]["program"] == rows[CONTEXTS[1]]["prefill"]["program"]
+
+
+@needs_plugin
+def test_lrfu_with_the_lookahead_must_hold(bench):
+    """`Lrfu(lookahead=True)`: after sampling, layer 0's next queries (`first_query`), its
+    selection and its re-decided moves from the staged copies the scan kept add no host sync,
+    no loop and no link transfer: the step keeps every must-hold (64 h2d: the layers' reads)."""
+    rows = _rows(bench, "sparse", "lrfu", ["step"], policy_kwargs={"lookahead": True})
+    _assert_must_hold(rows, "step", bench)
+    plain = _rows(bench, "sparse", "lrfu", ["step"])
+    for ctx in CONTEXTS:
+        a, b = rows[ctx]["step"], plain[ctx]["step"]
+        assert (a["h2d"], a["d2h"], a["scope_h2d"]) == (b["h2d"], b["d2h"], b["scope_h2d"]), ctx
 
 
 @needs_plugin

@@ -11,7 +11,7 @@ from jaxkv import Decoder
 from jaxkv import cache as kvc
 from jaxkv.attention.select import select_blocks
 from jaxkv.cache import ops as cache_ops
-from jaxkv.config import CacheConfig, PlacementConfig
+from jaxkv.config import STEADY_QUERIES, CacheConfig, PlacementConfig
 from jaxkv.decode import prompt as pp
 from jaxkv.model_api import bind
 
@@ -154,7 +154,8 @@ def test_lrfu_starts_from_the_prior_and_decodes_the_same_tokens(tiny):
         states[name] = (dec, dec.prefill(params, prompts, PROMPTS_LEN))
     dec, st = states["lrfu"]
     pre = dec.model_prefill(params, prompts, PROMPTS_LEN)
-    prior = np.asarray(pp.prompt_prior(pre.queries, st.cache, dec.placement))
+    assert pre.queries.shape[2] == STEADY_QUERIES  # for any decoder: lrfu's estimator's
+    prior = np.asarray(pp.prompt_prior(pre.queries[:, :, -32:], st.cache, dec.placement))
     L = dec.cache_config.num_layers
     np.testing.assert_allclose(np.asarray(st.stats.read_ema), prior.reshape(L, -1), rtol=1e-6)
     in_hbm = np.asarray(st.cache.in_hbm) & np.asarray(st.cache.sealed)
@@ -197,5 +198,5 @@ def test_a_prefilled_without_queries_is_refused(tiny):
     dec = _decoder(model)
     pre = dec.model_prefill(params, _prompts(), PROMPTS_LEN)
     bad = pre.__class__(pre.last_logits, pre.k, pre.v, pre.lengths, pre.queries[:, :, :4])
-    with pytest.raises(ValueError, match=r"prefilled.queries has shape .*: expected \(2, 2, 32,"):
+    with pytest.raises(ValueError, match=r"prefilled.queries has shape .*: expected \(2, 2, 128,"):
         dec.prefill(params, _prompts(), PROMPTS_LEN, prefilled=bad)

@@ -52,6 +52,16 @@ def test_sharded_exact_decoding_gives_one_devices_tokens(exact_lru, exact_age):
         assert r["tokens"] == r["reference"]
 
 
+@pytest.mark.slow  # a worker of its own (about 1 min here)
+def test_sharded_lrfu_with_its_lookahead_decodes_one_devices_tokens():
+    """lrfu at its defaults (the steady estimator and the lookahead: each KV-head shard's
+    `first_query` gives its own heads' queries, so its own selection) on 4 x 2 shards, sparse:
+    the one-device decoder's tokens, and blocks do move."""
+    r = _worker("mesh", "--policy", "lrfu", "--attention", "sparse")
+    assert r["devices"] == 8 and r["tokens"] == r["reference"]
+    assert r["summary"]["migrated_blocks"] > 0
+
+
 def test_every_shard_keeps_its_pools_memory_kind(exact_lru, sparse_fp8, exact_age):
     for r in (exact_lru, sparse_fp8, exact_age):
         assert r["kinds_after_prefill"] == ["pinned_host"]

@@ -17,12 +17,9 @@ host read and the attention.
 
 What a plan does depends on the policy. Most (static, lru, anneal, anneal+reuse) return a
 target placement that `plan_moves` bounds to a migration budget and the cache migrates to in
-bulk. A `follow` policy ("anneal+reuse+follow", `jaxkv.placement.policies.Follow`) only sets a
-target; at every step each layer's body promotes, by the vector rule
-`jaxkv.placement.policies.follow_moves`, the host blocks it reads that the target marks for HBM,
-from the copies the read just fetched (no second link read), and demotes resident blocks the target
-leaves out to make room; all layers' moves are applied in one bulk migration after the layers
-(`jaxkv.decode.follow`). Nothing heavier than that rule runs on a layer's critical path.
+bulk. Under a `follow` policy (lrfu, "anneal+reuse+follow") each layer's body runs a vector rule
+on the host blocks it reads, promoting from the copies the read fetched, and all layers' moves
+are applied in one bulk migration after the layers (`jaxkv.decode.follow`, also lrfu's lookahead).
 
 `DecodeState` (`jaxkv.decode.state`) holds the sampling and placement state, the read
 statistics and the metrics; `Decoder.plan_seconds` measures one plan, which `summarize` charges.
@@ -45,7 +42,7 @@ from jaxkv import cache as kvc
 from jaxkv._pytree import replace
 from jaxkv.attention.tiered import resolve_impl, tiered_attention
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
-from jaxkv.decode.follow import apply_follow_moves, empty_follow_moves, follow_layer
+from jaxkv.decode import follow as fl
 from jaxkv.decode.per_device import PerDevice
 from jaxkv.decode.prompt import forward_prompts, queries_needed, start_cache
 from jaxkv.decode.sampling import Greedy, eos_ids, is_eos, next_tokens
@@ -74,7 +71,7 @@ from jaxkv.decode.state import (
     record_step,
     step_latency,
 )
-from jaxkv.model_api import bind, check_model
+from jaxkv.model_api import bind, check_model, has_first_query
 from jaxkv.placement.observation import layer_windows, observation, placeable
 from jaxkv.placement.policies import plans
 
@@ -98,14 +95,9 @@ class Decoder:
       cache_config: cache geometry and capacities; its num_layers, kv_heads and head_dim must
         match the model.
       placement: attention mode, window, policy and migration budget. The policy is a preset
-        name or a policy object (`jaxkv.placement.policies.Policy`, e.g. a composed `Anneal`, online
-        and with `window` = placement.window). Names take the
-        simulator's modifiers a live decode can honour (`jaxkv.placement.presets`): "+reuse",
-        "+follow", "+aw", "+ec" on "anneal" (`jaxkv.decode.setup.live_policy`). Under
-        "+follow" the plan every `window` steps sets a target and each step's layers follow
-        it (see the module docstring); every migration loads both sides of its step (a block
-        crosses the link once and is written to or read from HBM once), as in the simulator
-        and docs/paper.md's cost model.
+        name (with the simulator's modifiers a live decode can honour: "+reuse", "+follow",
+        "+aw", "+ec" on "anneal"; `jaxkv.decode.setup.live_policy`) or a policy object
+        (`jaxkv.placement.policies.Policy`, online, with `window` = placement.window).
       max_new_tokens: tokens to generate per sequence (the prefill token included).
       sampler: `Greedy()` or `Sampling(...)`.
       profile: a HardwareProfile or a preset name, for the modeled latency.
@@ -136,6 +128,7 @@ class Decoder:
     env: Any = dataclasses.field(repr=False)  # the CostModel plans are priced in (`plan_env`)
     policy: Any  # the resolved placement policy (`live_policy`)
     per_device: PerDevice | None
+    lookahead: bool  # layer 0's next reads join its admission (`jaxkv.decode.follow.look_ahead`)
 
     def __init__(
         self,
@@ -170,8 +163,10 @@ class Decoder:
             weight_bytes_per_layer=weight_bytes,
             env=plan_env(profile, cache_config, weight_bytes),
         )
-        values["policy"] = live_policy(placement, values["env"], policy_kwargs or {})
+        values["policy"] = pol = live_policy(placement, values["env"], policy_kwargs or {})
         values["per_device"] = per_device
+        ahead = getattr(pol, "lookahead", False) and pol.follow is not None
+        values["lookahead"] = bool(ahead and has_first_query(model))
         siblings = ()
         if per_device is not None:  # one plain decoder per link profile, the first this one's
             if per_device.profiles[0] != profile:
@@ -207,7 +202,7 @@ class Decoder:
             out = dict(out_shardings=DecodeState(cache=kvc.cache_shardings(cache_config), **none))
         return dict(
             _prefill=jax.jit(self._prefill_impl, **out),
-            _model_prefill=jax.jit(self._model_prefill_impl),
+            _model_prefill=jax.jit(functools.partial(self._model_prefill_impl, shared=True)),
             _start=jax.jit(self._start_impl, **out),
             decode_step=jax.jit(
                 functools.partial(self._step_impl, plan="never"), donate_argnums=(1,), **out
@@ -271,12 +266,11 @@ class Decoder:
 
     def model_prefill(self, params, prompts, lengths=None) -> Prefilled:
         """The model's forward pass over the prompts (`prefill`'s expensive part) as a
-        `Prefilled` (last logits, K, V, the last queries), for `prefill(prefilled=...)`."""
+        `Prefilled` (logits, K, V, the last queries: 128, as lrfu needs), for any Decoder's
+        `prefill(prefilled=...)` (but one with more `steady_queries`)."""
         vocab_size = self.model_config.vocab_size
         prompts, lengths = check_prompts(prompts, lengths, self.cache_config, vocab_size)
-        return self._model_prefill(
-            params, prompts.astype(jnp.int32), jnp.asarray(lengths, jnp.int32)
-        )
+        return self._model_prefill(params, prompts.astype(jnp.int32), jnp.asarray(lengths, "int32"))
 
     def step(self, params, state: DecodeState) -> DecodeState:
         """One decode step for every unfinished sequence (the state is donated): `window_step`
@@ -353,9 +347,9 @@ class Decoder:
 
     # ---- implementation -----------------------------------------------------------------------
 
-    def _model_prefill_impl(self, params, prompts, lengths) -> Prefilled:
+    def _model_prefill_impl(self, params, prompts, lengths, shared=False) -> Prefilled:
         model = bind(self.graphdef, params)
-        n = queries_needed(self.policy)  # 32, or the adaptive estimator's steady_queries
+        n = queries_needed(self.policy, shared)  # 32 or steady_queries; shared: >= 128
         return forward_prompts(model, prompts, lengths, self._layer_windows(), n)
 
     def _prefill_impl(self, params, prompts, lengths, key) -> DecodeState:
@@ -369,15 +363,14 @@ class Decoder:
         pol = self.policy.init(c.num_layers, c.batch * c.max_blocks)
         done, w, n = is_eos(first, self.eos_id), self.placement.window, self.max_new_tokens
         bad = jnp.where(jnp.all(jnp.isfinite(pre.last_logits), axis=-1), -1, 0).astype(jnp.int32)
-        args = (w, pol, n, self.ema_decay, bad, *priors, c.hbm_pool_slots)
+        args = (w, pol, n, self.ema_decay, bad, *priors, c.hbm_pool_slots, self.lookahead)
         return initial_state(cache, first, done, key, *args)
 
-    def _active(self, state: DecodeState):
+    def _active(self, state: DecodeState, sampling=None, lengths=None):
         """[batch] bool: the sequences this step decodes (not done, room in the cache and in
-        the token buffer)."""
-        c = self.cache_config
-        room = state.sampling.step < self.max_new_tokens - 1
-        return ~state.sampling.done & (state.cache.lengths < c.max_len) & room
+        the token buffer); of the next step, given its `sampling` state and `lengths`."""
+        sm, n = sampling or state.sampling, state.cache.lengths if lengths is None else lengths
+        return ~sm.done & (n < self.cache_config.max_len) & (sm.step < self.max_new_tokens - 1)
 
     def _either_step(self, params, state: DecodeState, with_logits: bool = False):
         """`window_step` when this step ends the window, else `decode_step` (one branch)."""
@@ -405,22 +398,26 @@ class Decoder:
         (`device_step`).
 
         The steps: the layers (token write, read, attention and, for `follow`, each layer's
-        moves), the follow migration, the cache's advance, sampling, the step's statistics
-        and metrics, the plan, and the step's modeled latency."""
+        moves), sampling, the lookahead, the follow migration, the cache's advance, the step's
+        statistics and metrics, the plan, and the step's modeled latency."""
         c = self.cache_config
         L = c.num_layers
         active = self._active(state)
         due = _window_due(state)
-        logits, cache, reads, fol = self._run_layers(params, state, active)
-        promoted = demoted = jnp.zeros((L,), jnp.int32)
-        if self.follows:  # the layers' follow moves, all at once, from the blocks they fetched
-            cache, promoted, demoted = apply_follow_moves(cache, fol, logits)
-        cache = kvc.advance(cache, active, after_reads=logits)
+        logits, cache, reads, fol, staged0 = self._run_layers(params, state, active)
         sampled = next_tokens(
             self.sampler, self.eos_id, self.max_new_tokens, state.sampling, logits, active
         )
+        ahead, promoted, demoted = None, jnp.zeros((L,), jnp.int32), jnp.zeros((L,), jnp.int32)
+        if self.lookahead:  # layer 0's next reads, now that the next tokens are known
+            ahead, fol = fl.look_ahead(self, params, state, cache, (reads, fol, staged0), sampled)
+        if self.follows:  # the layers' follow moves, all at once, from the blocks they fetched
+            cache, promoted, demoted = fl.apply_follow_moves(cache, fol, logits)
+        cache = kvc.advance(cache, active, after_reads=logits)
         step = state.sampling.step
         state, hbm_b, host_b = record_step(c, state, cache, sampled, reads, promoted, demoted)
+        if ahead is not None:
+            state = replace(state, statistics=replace(state.statistics, ahead=ahead))
         if self.per_device is not None:  # pooled over the mesh axis, outside any branch
             state = self.per_device.pool_statistics(state)
         moved = jnp.zeros((L,), jnp.int32)
@@ -449,8 +446,9 @@ class Decoder:
         blocks from both tiers and attends (and, for `follow`, gathers its moves).
 
         Returns:
-          (logits, cache, the layers' `StepReads`, their `FollowMoves`, None without
-           follow)."""
+          (logits, cache, the layers' `StepReads`, their `FollowMoves` (None without follow),
+           layer 0's staged host blocks (`jaxkv.decode.follow.keep_first`; None without the
+           lookahead))."""
         c, p = self.cache_config, self.placement
         model = bind(self.graphdef, params)
         attn_len = state.cache.lengths + active.astype(jnp.int32)
@@ -462,7 +460,7 @@ class Decoder:
         windows = self._layer_windows()
 
         def attend(layer, q, k_new, v_new, carry):
-            cache, reads, fol = carry
+            cache, reads, fol, staged0 = carry
             cache = kvc.write_token(cache, layer, k_new.astype(dt), v_new.astype(dt), active)
             out, st, staged = tiered_attention(
                 q,
@@ -477,18 +475,20 @@ class Decoder:
             )
             reads = reads.with_layer(layer, st)
             if follow:
-                fol = follow_layer(
+                fol = fl.follow_layer(
                     cache, layer, st, staged, pstate, fol, stats, num_blocks=B * M, follow=rule
                 )
-            return out.astype(q.dtype), (cache, reads, fol)
+            if staged0 is not None:
+                staged0 = fl.keep_first(staged0, layer, staged)
+            return out.astype(q.dtype), (cache, reads, fol, staged0)
 
-        reads0 = StepReads.zeros(L, B, M)
-        fol0 = empty_follow_moves(c, p.max_moves) if follow else None
+        fol0 = fl.empty_follow_moves(c, p.max_moves) if follow else None
+        first = fl.first_staging(state.cache, p) if self.lookahead else None
+        carry = (state.cache, StepReads.zeros(L, B, M), fol0, first)
         with jax.named_scope("model"):
-            logits, (cache, reads, fol) = model.decode_step(
-                state.sampling.last, state.cache.lengths, attend, (state.cache, reads0, fol0)
-            )
-        return logits, cache, reads, fol
+            tokens, positions = state.sampling.last, state.cache.lengths
+            logits, carry = model.decode_step(tokens, positions, attend, carry)
+        return logits, *carry
 
     def _step_latency(self, hbm_b, host_b, moved, promoted, demoted):
         """[] f32: the step's modeled seconds (`jaxkv.decode.state.step_latency`); per device

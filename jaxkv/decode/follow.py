@@ -7,6 +7,13 @@ just fetched (no second link read), and demotes, to make room, resident blocks t
 out. The layers' moves are gathered in per-layer lists, `FollowMoves`, carried through the layer
 scan; after the layers `apply_follow_moves` applies them all in one bulk migration. Without a follow
 policy the scan carries None in their place (`jaxkv.Decoder._run_layers`).
+
+The lookahead (`Lrfu.lookahead`, with a model that gives `first_query`): layer 0's queries depend
+on the token and its position only, so once the step has sampled the next token, `look_ahead`
+selects the blocks layer 0 will read at the next step and re-decides layer 0's moves with them
+added to the value. The scan keeps layer 0's staged host blocks for that (`keep_first`): the
+promotions still come from the copies this step's read fetched, so no link traffic is added.
+The statistics keep the mask (`Statistics.ahead`), which `jaxkv.sim.loop` replays.
 """
 
 from __future__ import annotations
@@ -16,7 +23,10 @@ import jax.numpy as jnp
 
 from jaxkv import cache as kvc
 from jaxkv._pytree import pytree_dataclass, replace
+from jaxkv.attention.select import select_blocks
+from jaxkv.attention.tiered import AttentionStats, fetch_host_blocks, staging_blocks
 from jaxkv.config import TIER_HBM, CacheConfig
+from jaxkv.model_api import bind
 from jaxkv.placement import statistics as imp
 from jaxkv.placement.policies import follow_moves
 
@@ -48,7 +58,9 @@ def empty_follow_moves(c: CacheConfig, max_moves: int) -> FollowMoves:
     )
 
 
-def follow_layer(cache, layer, st, staged, pstate, fol: FollowMoves, stats, *, num_blocks, follow):
+def follow_layer(
+    cache, layer, st, staged, pstate, fol: FollowMoves, stats, *, num_blocks, follow, ahead=None
+):
     """The `follow` rule of one layer (traced `layer`) after its read: the promotions and
     the demotions that make room for them (`jaxkv.placement.policies.follow_moves`), and the fetched
     contents of the promoted blocks, written into the per-layer lists `fol`.
@@ -62,7 +74,8 @@ def follow_layer(cache, layer, st, staged, pstate, fol: FollowMoves, stats, *, n
       stats: the read statistics before this step (`jaxkv.placement.statistics.Stats`; admit="value"
         ranks by their read frequency with this step's reads folded in).
       num_blocks: N = batch * max_blocks.
-      follow: the policy's `Follow`."""
+      follow: the policy's `Follow`.
+      ahead: [1, N] bool, the blocks the layer reads at the next step (`look_ahead`), or None."""
     N = num_blocks
     K = fol.promote.shape[1]
     sealed = cache.sealed[layer].reshape(1, N)
@@ -71,7 +84,7 @@ def follow_layer(cache, layer, st, staged, pstate, fol: FollowMoves, stats, *, n
     room = jnp.sum(cache.hbm_free[layer])[None]
     steady = imp.steady_choice(stats, reads, sealed, layer)  # None but for Lrfu.steady_queries
     target, priority, value = follow.inputs(
-        pstate, stats.read_ema[layer][None], reads, stats.decay, layer, steady
+        pstate, stats.read_ema[layer][None], reads, stats.decay, layer, steady, ahead
     )
     pro, n_p, dem, n_d = follow_moves(
         in_hbm, sealed, reads, target, priority, room, K, admit=follow.admit, value=value
@@ -109,3 +122,52 @@ def apply_follow_moves(cache, fol: FollowMoves, after_reads):
         promoted = jnp.sum(now & ~before, axis=(1, 2)).astype(jnp.int32)
         demoted = jnp.sum(before & ~now, axis=(1, 2)).astype(jnp.int32)
     return cache, promoted, demoted
+
+
+def first_staging(cache, placement):
+    """The scan's carry for layer 0's staged host blocks (`keep_first`): zeros shaped as two
+    layers' `fetch_host_blocks` (K, V, staging table); row 0 is layer 0's."""
+    c = cache.config
+    n = staging_blocks(placement, c.max_blocks)
+    none = jnp.zeros((c.batch, c.max_blocks), bool)
+    shapes = jax.eval_shape(lambda ca: fetch_host_blocks(ca, 0, none, n)[:3], cache)
+    return tuple(jnp.zeros((2, *x.shape), x.dtype) for x in shapes)
+
+
+def keep_first(buf, layer, staged):
+    """`buf` with layer 0's `staged` triple in row 0 (the other layers write row 1, unread):
+    a dynamic update, no branch on the traced `layer`."""
+    i = jnp.minimum(jnp.asarray(layer, jnp.int32), 1)
+    return tuple(b.at[i].set(x.astype(b.dtype)) for b, x in zip(buf, staged, strict=True))
+
+
+def look_ahead(dec, params, state, cache, scanned, sampled):
+    """Layer 0's reads at the next step and its follow moves re-decided with them, after the
+    step has sampled (`jaxkv.Decoder._step_impl` with `lookahead`).
+
+    Args:
+      dec: the Decoder; params: the model's; state: the state before the step.
+      cache: the cache after the layer scan (layer 0's tiers as its follow rule saw them).
+      scanned: the scan's (`StepReads`, `FollowMoves`, `keep_first`'s buffer).
+      sampled: the sampling state after this step (its `last`: the next tokens).
+
+    Returns:
+      (ahead [batch, max_blocks] bool, the moves with layer 0's row re-decided)."""
+    reads, fol, staged0 = scanned
+    c = dec.cache_config
+    N = c.batch * c.max_blocks
+    lengths = state.cache.lengths + dec._active(state).astype(jnp.int32)  # the next positions
+    active = dec._active(state, sampled, lengths)  # the sequences the next step decodes
+    windows = dec._layer_windows()
+    with jax.named_scope("look_ahead"):
+        q = bind(dec.graphdef, params).first_query(sampled.last, lengths)
+        nxt = lengths + active.astype(jnp.int32)
+        window = None if windows is None else windows[0]
+        ahead = select_blocks(q, cache, 0, nxt, dec.placement, window=window) & active[:, None]
+        st = AttentionStats(read_hbm=reads.read_hbm[0], read_host=reads.read_host[0], mass=None)
+        fol = follow_layer(
+            cache, 0, st, tuple(b[0] for b in staged0), state.placement.policy, fol,
+            state.statistics.blocks, num_blocks=N, follow=dec.policy.follow,
+            ahead=ahead.reshape(1, N),
+        )  # fmt: skip
+    return ahead, fol

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxkv.attention.select import select_blocks
 from jaxkv.cache import ops as cache_ops
 from jaxkv.cache.layout import TieredKVCache
-from jaxkv.config import PROMPT_QUERIES, CacheConfig, PlacementConfig
+from jaxkv.config import PROMPT_QUERIES, STEADY_QUERIES, CacheConfig, PlacementConfig
 from jaxkv.decode.state import Prefilled
 
 
@@ -102,10 +102,13 @@ def _queries_at(model, prompts, k, v, windows, pos):
     return qs
 
 
-def queries_needed(policy) -> int:
+def queries_needed(policy, shared: bool = False) -> int:
     """The prompt queries a Decoder of `policy` keeps at prefill: `PROMPT_QUERIES`, or the
-    adaptive estimator's `steady_queries` when more (`jaxkv.placement.policies.Lrfu`)."""
-    return max(PROMPT_QUERIES, int(getattr(policy, "steady_queries", 0)))
+    adaptive estimator's `steady_queries` when more (`jaxkv.placement.policies.Lrfu`);
+    `shared` (a `Decoder.model_prefill` that other decoders start from): at least lrfu's
+    default `STEADY_QUERIES`, so that one forward pass serves every policy's decoder."""
+    n = max(PROMPT_QUERIES, int(getattr(policy, "steady_queries", 0)))
+    return max(n, STEADY_QUERIES) if shared else n
 
 
 def forward_prompts(model, prompts, lengths, windows=None, n=PROMPT_QUERIES) -> Prefilled:

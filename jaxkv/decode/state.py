@@ -108,6 +108,9 @@ class PlacementState:
 class Statistics:
     blocks: imp.Stats  # per-block read statistics, [layers, batch * max_blocks]
     step_mass: jax.Array  # [layers, batch, max_blocks] f32: last step's attention mass (0 unread)
+    # [batch, max_blocks] bool: layer 0's reads at the next step, known at the end of the last
+    # (`Lrfu.lookahead`, `jaxkv.decode.follow.look_ahead`); None without the lookahead
+    ahead: jax.Array | None = None
 
 
 @pytree_dataclass
@@ -185,6 +188,7 @@ def initial_state(
     read_prior=None,
     steady=None,
     room: int = 0,
+    lookahead: bool = False,
 ):
     """The DecodeState after prefill: `first` [batch] sampled tokens (`done` those that stop;
     `bad_step` [batch] int32 0 where the prefill's logits were not finite, else -1),
@@ -192,7 +196,8 @@ def initial_state(
     and metrics over `max_new_tokens` steps (read statistics decaying by `decay` a step; the
     blocks' read frequency starts at `read_prior` [layers, batch * max_blocks] if given, the
     prompt's prior of `jaxkv.decode.prompt`; with `steady`, the adaptive estimator's steady
-    read frequency, over a layer's `room` HBM slots: `jaxkv.placement.statistics.with_steady`)."""
+    read frequency, over a layer's `room` HBM slots: `jaxkv.placement.statistics.with_steady`;
+    `lookahead`: the statistics keep layer 0's next reads, none known yet)."""
     L, B, M = cache.tier.shape
     stats = imp.init_stats(L, B * M, decay=decay)
     if read_prior is not None:
@@ -214,6 +219,7 @@ def initial_state(
         statistics=Statistics(
             blocks=stats,
             step_mass=jnp.zeros((L, B, M), jnp.float32),
+            ahead=jnp.zeros((B, M), bool) if lookahead else None,
         ),
         metrics=Metrics(
             hbm_bytes=zeros_f,
@@ -323,7 +329,7 @@ def record_step(
             win_hbm=pl.win_hbm + n_hbm,
             win_total=pl.win_total + n_all,
         ),
-        statistics=Statistics(blocks=stats, step_mass=mass),
+        statistics=replace(state.statistics, blocks=stats, step_mass=mass),
         metrics=metrics,
     )
     return state, hbm_b, host_b

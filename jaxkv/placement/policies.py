@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv._pytree import pytree_dataclass, static_field
-from jaxkv.config import PROMPT_QUERIES, AnnealConfig, check_number
+from jaxkv.config import PROMPT_QUERIES, STEADY_QUERIES, AnnealConfig, check_number
 from jaxkv.cost import CostModel
 from jaxkv.placement import anneal
 from jaxkv.placement import statistics as imp
@@ -95,7 +95,7 @@ class Policy(Protocol):
     budget: blocks a plan (or a follow step) may move per layer; None = unbounded.
     adapts_window: the policy sets its own steps between plans (`next_window` varies).
     plans (optional, True when absent): False when `plan` keeps the placement as it is
-      (static, lrfu): `Decoder.plan_seconds` charges it nothing.
+      (static, lrfu). prompt_prior, lookahead (optional, False when absent): `Lrfu`'s.
     """
 
     name: str
@@ -130,6 +130,7 @@ class PolicyBase:
     adapts_window = False
     plans = True  # False: `plan` keeps the placement as it is (no target, nothing to time)
     prompt_prior = False  # True: start from the prompt's prior (`jaxkv.decode.prompt`)
+    lookahead = False  # True: layer 0's next reads join its value (`Lrfu.lookahead`)
 
     def init(self, num_layers: int, num_blocks: int):
         return ()
@@ -314,19 +315,20 @@ class Follow:
         if self.admit not in FOLLOW_ADMITS:
             raise ValueError(f"Follow admit must be one of {FOLLOW_ADMITS}, got {self.admit!r}")
 
-    def inputs(self, pstate, read_ema, reads, decay: float, layer=None, steady=None):
+    def inputs(self, pstate, read_ema, reads, decay: float, layer=None, steady=None, ahead=None):
         """(target, priority, value) for `follow_moves` ([rows, N] each, or None): the plan's
         target and expected reads (the policy's state `pstate`, [layers, N]; row `layer` as
         [1, N] if given), or under admit="value" the blocks' values alone (`follow_value` of
         `read_ema` and `reads`, [rows, N]; the plan is not read), where `steady` (None, or
         `jaxkv.placement.statistics.steady_choice`'s (steady [rows, N], [rows] bool)) picks a
-        row's steady read frequency instead."""
+        row's steady read frequency instead, and `ahead` ([rows, N] bool or None: the blocks
+        known to be read at the next step, `Lrfu.lookahead`) adds 1 to their value."""
         if self.admit == "value":
             value = follow_value(read_ema, reads, decay)
             if steady is not None:
                 rows, pick = steady
                 value = jnp.where(pick[:, None], rows, value)
-            return None, None, value
+            return None, None, value if ahead is None else value + ahead
         if layer is None:
             return pstate.target, pstate.priority, None
         return pstate.target[layer][None], pstate.priority[layer][None], None
@@ -345,25 +347,34 @@ class Lrfu(PolicyBase):
     the prompt's last queries that would read each block (`jaxkv.decode.prompt`). Measured
     against LRU, the annealer's plans and the bounds: bench/RESULTS.md section 5.
 
-    steady_queries: 0 (the default), or n, a multiple of `PROMPT_QUERIES` (32): the adaptive
-      estimator. Beside the decayed read frequency each layer keeps the prior of the prompt's
-      last n queries, held constant, and per step values blocks by whichever of the two
-      estimators' top blocks (as many as a layer's HBM slots) held more of the recent reads
+    steady_queries: n, a multiple of `PROMPT_QUERIES` (32), or 0 (off): the adaptive
+      estimator; None (the default) is `STEADY_QUERIES` (128) with `prompt_prior`, else 0.
+      Beside the decayed read frequency each layer keeps the prior of the prompt's last n
+      queries, held constant, and per step values blocks by whichever of the two estimators'
+      top blocks (as many as a layer's HBM slots) held more of the recent reads
       (`jaxkv.placement.statistics.steady_choice`). A trained model's reads drift and keep the
       decayed frequency; a stationary trace's take the steady one
-      (bench/notebook/2026-12-06-forecast-limits.md). Needs `prompt_prior`."""
+      (bench/notebook/2026-12-06-forecast-limits.md). Needs `prompt_prior`.
+    lookahead: True (the default): layer 0's next reads, known once the next token is sampled
+      (its queries depend on the token and position only: the model's `first_query`), add 1
+      to their value in layer 0's admission (`jaxkv.decode.follow`); a model without
+      `first_query` decodes without (`Decoder.lookahead` says which)."""
 
     name: str = "lrfu"
     follow: Follow = Follow("value")
     prompt_prior: bool = True
-    steady_queries: int = 0
+    steady_queries: int | None = None
+    lookahead: bool = True
     plans = False
 
     def __post_init__(self):
         if not isinstance(self.follow, Follow) or self.follow.admit != "value":
             raise ValueError(f"Lrfu follow must be Follow('value'), got {self.follow!r}")
-        if not isinstance(self.prompt_prior, bool):
-            raise ValueError(f"Lrfu prompt_prior must be a bool, got {self.prompt_prior!r}")
+        for name in ("prompt_prior", "lookahead"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Lrfu {name} must be a bool, got {getattr(self, name)!r}")
+        if self.steady_queries is None:
+            object.__setattr__(self, "steady_queries", STEADY_QUERIES if self.prompt_prior else 0)
         n = self.steady_queries
         if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n % PROMPT_QUERIES:
             raise ValueError(

@@ -129,7 +129,7 @@ KNOBS: dict[str, Any] = dict(
 
 
 # `Lrfu`'s fields a caller may set (`resolve`'s overrides)
-LRFU_KNOBS = ("prompt_prior", "steady_queries")
+LRFU_KNOBS = ("prompt_prior", "steady_queries", "lookahead")
 
 
 def split_policies(text: str, label: str = "--policies") -> list[str]:

@@ -123,6 +123,9 @@ class LoopRecord:
     reads: jax.Array  # [steps, layers, batch, max_blocks] bool: blocks read (tail included)
     mass: jax.Array  # [steps, layers, batch, max_blocks] f32: attention mass (0 unread)
     decoded: LoopMetrics  # the decode loop's own figures for these steps
+    # [steps, batch, max_blocks] bool: layer 0's next reads as the loop's lookahead knew them
+    # at the end of each step (`Lrfu.lookahead`); None when the Decoder ran without
+    ahead: Any = None
     policy: Any = static_field(default=None)  # the recorded Decoder's policy
 
 
@@ -171,7 +174,7 @@ def record(decoder, params, state, steps: int):
     finished, none reaching its cache's end or the token buffer's).
 
     A step's reads are the blocks whose `last_read` statistic became that step (its tail
-    included); its mass is the statistics' `step_mass`."""
+    included); its mass is the statistics' `step_mass`; its lookahead `Statistics.ahead`."""
     if isinstance(steps, bool) or not isinstance(steps, int | np.integer) or steps < 1:
         raise ValueError(f"steps={steps!r}: expected a positive int")
     if not decoder.collects_mass:
@@ -192,13 +195,15 @@ def record(decoder, params, state, steps: int):
         )
     start = start_of(state)
     shape = (c.num_layers, c.batch, c.max_blocks)
-    reads, mass, hits, totals = [], [], [], []
+    reads, mass, hits, totals, ahead = [], [], [], [], []
     m = state.metrics
     prev = (float(m.hbm_reads), float(m.total_reads))
     for t in range(s0, s0 + steps):
         state = decoder.step(params, state)
         reads.append(np.asarray(state.statistics.blocks.last_read == t).reshape(shape))
         mass.append(np.asarray(state.statistics.step_mass).reshape(shape))
+        if state.statistics.ahead is not None:
+            ahead.append(np.asarray(state.statistics.ahead))
         now = (float(state.metrics.hbm_reads), float(state.metrics.total_reads))
         hits.append(now[0] - prev[0])
         totals.append(now[1] - prev[1])
@@ -220,6 +225,7 @@ def record(decoder, params, state, steps: int):
         reads=np.stack(reads),
         mass=np.stack(mass),
         decoded=decoded,
+        ahead=np.stack(ahead) if ahead else None,
         policy=decoder.policy,
     )
     return rec, state
@@ -261,9 +267,20 @@ def _scan(setup: LoopSetup, rec: LoopRecord):
         future = (pad(rec.reads), pad(rec.mass))
     steps = jnp.arange(rec.reads.shape[0], dtype=jnp.int32)
     (in_hbm, _, _, _, _, plans), m = jax.lax.scan(
-        lambda cr, x: _step(setup, cr, x, future), carry, (rec.reads, rec.mass, steps)
+        lambda cr, x: _step(setup, cr, x, future), carry, (rec.reads, rec.mass, steps, _ahead(rec))
     )
     return m, in_hbm, plans
+
+
+def _ahead(rec: LoopRecord):
+    """[steps, batch, max_blocks] bool: layer 0's next reads at each step, as the decode loop's
+    lookahead knew them (`LoopRecord.ahead`) or, for a record made without, the next step's
+    recorded reads (none after the last step): what a lookahead would have known, up to the
+    rounding of `record`'s docstring."""
+    if rec.ahead is not None:
+        return jnp.asarray(rec.ahead)
+    r0 = jnp.asarray(rec.reads)[:, 0]
+    return jnp.concatenate([r0[1:], jnp.zeros_like(r0[:1])])
 
 
 def _step(setup: LoopSetup, carry, xs, future=None):
@@ -273,7 +290,7 @@ def _step(setup: LoopSetup, carry, xs, future=None):
     L, B, M, bs = c.num_layers, c.batch, c.max_blocks, c.block_size
     N = B * M
     in_hbm, lengths, stats, pl, step, plans = carry
-    read, mass, i = xs
+    read, mass, i, ahead = xs
     j = jnp.arange(M)
     sealed = jnp.broadcast_to(j[None] < (lengths // bs)[:, None], (L, B, M))
     # the tail (unsealed) and, under fp8="age", the ring are read from HBM
@@ -293,8 +310,13 @@ def _step(setup: LoopSetup, carry, xs, future=None):
         flat = in_hbm.reshape(L, N)
         flat_read = read.reshape(L, N)
         steady = imp.steady_choice(stats, flat_read, sealed.reshape(L, N))
+        ahead = (
+            jnp.zeros((L, N), bool).at[0].set(ahead.reshape(N))
+            if getattr(policy, "lookahead", 0)
+            else None
+        )
         target, priority, value = policy.follow.inputs(
-            pl.policy, stats.read_ema, flat_read, stats.decay, steady=steady
+            pl.policy, stats.read_ema, flat_read, stats.decay, steady=steady, ahead=ahead
         )
         pro, n_p, dem, n_d = follow_moves(
             flat,

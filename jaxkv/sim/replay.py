@@ -152,6 +152,11 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0, va
     policy = state.policy
     if policy.needs_values and values is None:
         raise ValueError(f"policy {policy.name!r} needs the dual's values (run_chunk values=)")
+    if getattr(policy, "lookahead", False) and reads_buf.shape[0] <= chunk:
+        raise ValueError(
+            f"policy {policy.name!r} with lookahead reads the next step's reads of layer 0: "
+            f"expected reads_buf of more than chunk={chunk} steps, got {reads_buf.shape[0]}"
+        )
     blk = jnp.arange(setup.num_blocks)
     z = jnp.float32(0)
     k = _Chunk(setup, policy, reads_buf, mass, values, t0, blk, z)
@@ -176,7 +181,7 @@ def _step(k: _Chunk, st: SimState, c):
     read_from = in_hbm  # what this step reads from HBM (the follow rule's victims included)
     if policy.follow is not None:
         in_hbm, now, mig_h, mig_l, moved = _follow(
-            k, r, valid, in_hbm, stats, pstate, now, mig_h, mig_l, moved
+            k, c, valid, in_hbm, stats, pstate, now, mig_h, mig_l, moved
         )
     lat, n_hbm, n_all = _latency(s, t, r, read_from, now, mig_h, mig_l)
     stats = imp.update_stats(stats, r, k.mass[c], t, valid)
@@ -256,20 +261,29 @@ def _skip(k: _Chunk, next_plan, args):
     return in_hbm, stats, pstate, zl, zl, k.zero, next_plan, 0, jnp.zeros_like(in_hbm)
 
 
-def _follow(k: _Chunk, r, valid, in_hbm, stats, pstate, now, mig_h, mig_l, moved):
+def _follow(k: _Chunk, c, valid, in_hbm, stats, pstate, now, mig_h, mig_l, moved):
     """A `follow` policy's rule at every step: promote the blocks this step reads from host that
     the admit rule takes (the read carries them over the link: an HBM write each, and the read
     is a host read), demoting, only to make room, the victims the rule picks (unread blocks,
     lowest (in target, expected) first; under admit="value" the least valuable resident blocks,
     whose reads at this step were HBM reads) -> (in_hbm, now, mig_h, mig_l, moved) with the
-    rule's moves added."""
+    rule's moves added. Under `lookahead` layer 0 knows its next reads (step c + 1's: in the
+    decode loop they are known once the next token is sampled)."""
     s, policy = k.setup, k.policy
     N, b = s.num_blocks, s.block_bytes
     budget = policy.budget if policy.budget is not None else N
     room = s.capacity - jnp.sum(in_hbm, axis=-1)
     fol = policy.follow
+    r = k.reads_buf[c]
     steady = imp.steady_choice(stats, r, valid)
-    target, priority, value = fol.inputs(pstate, stats.read_ema, r, stats.decay, steady=steady)
+    ahead = (
+        jnp.zeros_like(r).at[0].set(k.reads_buf[c + 1][0])
+        if getattr(policy, "lookahead", 0)
+        else None
+    )
+    target, priority, value = fol.inputs(
+        pstate, stats.read_ema, r, stats.decay, steady=steady, ahead=ahead
+    )
     pro_i, n_p, dem_i, n_d = follow_moves(
         in_hbm, valid, r, target, priority, room, budget, fol.admit, value
     )

@@ -24,13 +24,15 @@ step's queries is the lever beyond it.
             are known exactly once the next token is sampled. Alone and on top of the adaptive
             estimator (`prompt_prior.adaptive`), with every layer's next reads as the oracle.
             bench (the 8k case, with the share of its gap) or real 0.25 / 0.10 (the demo).
-  decoded   lrfu and lrfu with the adaptive estimator (`steady_queries=256`) decoded in the
-            loop itself, the same cases (1-2 min each; the real model's 4 min).
+  decoded   lrfu without its two additions, with the adaptive estimator alone (`steady_queries`
+            at its default 128), with the lookahead alone, and with both (lrfu's defaults since
+            2026-12-06 (6)), decoded in the loop itself, the same cases (1-2 min each; the
+            real model's 4 min).
 
   python bench/notebook/scripts/forecast_limits.py prior
   python bench/notebook/scripts/forecast_limits.py forecast
   python bench/notebook/scripts/forecast_limits.py lookahead [bench | real 0.25 | real 0.10]
-  python bench/notebook/scripts/forecast_limits.py decoded [bench | real 0.25 | real 0.10]
+  python bench/notebook/scripts/forecast_limits.py decoded [bench | real 0.25 | real 0.10] [0,1,2,3]
 """
 
 import dataclasses
@@ -171,11 +173,13 @@ def lookahead(which: str = "bench", frac: str = "0.25"):
     case.report([(n, p32, v) for n, v in rows], BASE if which == "bench" else None)
 
 
-def decoded(which: str = "bench", frac: str = "0.25"):
-    """lrfu and lrfu with the adaptive estimator (`steady_queries=256`) decoded in the loop
-    (`Decoder` through `jaxkv.sim.loop.record`): modeled tok/s, the best bound, and where the
-    steady estimator leads at the end."""
-    for kw in ({}, {"steady_queries": 256}):
+def decoded(which: str = "bench", frac: str = "0.25", only: str = "0,1,2,3"):
+    """lrfu without its additions, with the adaptive estimator, the lookahead, both, decoded in
+    the loop (`Decoder` through `jaxkv.sim.loop.record`): modeled tok/s, the best bound, and
+    where the steady estimator leads at the end. `only`: which of the four, e.g. "0,2"."""
+    off = {"steady_queries": 0, "lookahead": False}  # lrfu before both additions
+    variants = (off, {"lookahead": False}, {"steady_queries": 0}, {})  # {}: lrfu's defaults
+    for kw in (variants[int(i)] for i in only.split(",")):
         dec, params, prompts, steps = pp_script.setup(which, float(frac), kw=kw)
         rec, end = loop.record(dec, params, dec.prefill(params, prompts), steps)
         B = dec.cache_config.batch
@@ -186,7 +190,8 @@ def decoded(which: str = "bench", frac: str = "0.25"):
             wins = np.mean(np.asarray(s.steady_hits) > np.asarray(s.ema_hits))
             lead = f"; the steady estimator leads on {wins:.0%} of the layers at the end"
         share = f" (closes {(tps - BASE) / (bound - BASE):.1%})" if which == "bench" else ""
-        print(f"{which} {frac} lrfu {kw or ''}: {tps:,.0f} tok/s{share}, bound {bound:,.0f}{lead}")
+        name = f"{which} {frac} lrfu {kw or '(defaults)'}"
+        print(f"{name}: {tps:,.0f} tok/s{share}, bound {bound:,.0f}{lead}")
 
 
 def follow_misses(R, sealed, C, init, value):

@@ -39,7 +39,7 @@ VALUE = {}  # the value of the step being traced ([layers, N]), set by the scan'
 class GivenValue(Follow):
     """admit="value" with the value given per step (`VALUE`) instead of `follow_value`."""
 
-    def inputs(self, pstate, read_ema, reads, decay, layer=None):
+    def inputs(self, pstate, read_ema, reads, decay, layer=None, **_):
         return None, None, VALUE["x"]
 
 
@@ -54,7 +54,7 @@ def replay(dec, rec, values) -> float:
         def body(cr, xs):
             r, m, i, v = xs
             VALUE["x"] = v
-            return loop._step(setup, cr, (r, m, i))
+            return loop._step(setup, cr, (r, m, i, None))
 
         steps = jnp.arange(rec.reads.shape[0], dtype=jnp.int32)
         return jax.lax.scan(body, carry, (rec.reads, rec.mass, steps, values))[1]
