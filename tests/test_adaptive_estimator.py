@@ -138,7 +138,7 @@ def test_lrfu_starts_the_estimator_from_the_prompt_and_replays_exactly(tiny):
     prompts = _prompts()
     dec, plain = _decoder(model, steady_queries=64), _decoder(model, steady_queries=0)
     pre = dec.model_prefill(params, prompts, PROMPTS_LEN)
-    assert pre.queries.shape[2] == 64
+    assert pre.queries.shape[2] == STEADY_QUERIES  # model_prefill serves any decoder
     st = dec.prefill(params, prompts, PROMPTS_LEN, prefilled=pre)
     s, c = st.statistics.blocks, dec.cache_config
     L = c.num_layers
