@@ -73,7 +73,7 @@ from jaxkv.decode.state import (
 )
 from jaxkv.model_api import bind, check_model, has_first_query
 from jaxkv.placement.observation import layer_windows, observation, placeable
-from jaxkv.placement.policies import plans
+from jaxkv.placement.policies import looks_ahead, plans
 
 __all__ = ["PLAN_MODES", "Decoder"]
 
@@ -165,8 +165,7 @@ class Decoder:
         )
         values["policy"] = pol = live_policy(placement, values["env"], policy_kwargs or {})
         values["per_device"] = per_device
-        ahead = getattr(pol, "lookahead", False) and pol.follow is not None
-        values["lookahead"] = bool(ahead and has_first_query(model))
+        values["lookahead"] = looks_ahead(pol) and has_first_query(model)
         siblings = ()
         if per_device is not None:  # one plain decoder per link profile, the first this one's
             if per_device.profiles[0] != profile:

@@ -75,7 +75,7 @@ def follow_layer(
         ranks by their read frequency with this step's reads folded in).
       num_blocks: N = batch * max_blocks.
       follow: the policy's `Follow`.
-      ahead: [1, N] bool, the blocks the layer reads at the next step (`look_ahead`), or None."""
+      ahead: [N] bool, the blocks layer 0 reads at the next step (`look_ahead`), or None."""
     N = num_blocks
     K = fol.promote.shape[1]
     sealed = cache.sealed[layer].reshape(1, N)
@@ -168,6 +168,6 @@ def look_ahead(dec, params, state, cache, scanned, sampled):
         fol = follow_layer(
             cache, 0, st, tuple(b[0] for b in staged0), state.placement.policy, fol,
             state.statistics.blocks, num_blocks=N, follow=dec.policy.follow,
-            ahead=ahead.reshape(1, N),
+            ahead=ahead.reshape(N),
         )  # fmt: skip
     return ahead, fol

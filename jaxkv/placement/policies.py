@@ -64,10 +64,8 @@ class Observation:
 
     @classmethod
     def of(cls, in_hbm, valid, stats, step, capacity: int, **future) -> Observation:
-        """The one constructor of the decode loop (`jaxkv.placement.observation.observe`), its
-        replay (`jaxkv.sim.loop`) and the trace simulator (`jaxkv.sim.replay`,
-        `jaxkv.sim.timing`): the placement masks, the read statistics (`importance.Stats`)
-        and what is known of the future (`future`: forecast, forecast_mass, value_to_go)."""
+        """The one constructor (`observation.observe`, `jaxkv.sim.loop`, `.replay`, `.timing`):
+        masks, read statistics, and the known future (forecast, forecast_mass, value_to_go)."""
         return cls(
             in_hbm=in_hbm,
             valid=valid,
@@ -142,6 +140,11 @@ class PolicyBase:
 def plans(policy) -> bool:
     """Whether `policy`'s plan can change the placement (`Policy.plans`; True when absent)."""
     return getattr(policy, "plans", True)
+
+
+def looks_ahead(policy) -> bool:
+    """Whether `policy`'s follow rule values layer 0's next reads (`Lrfu.lookahead`)."""
+    return bool(getattr(policy, "lookahead", False)) and policy.follow is not None
 
 
 def top_capacity(score: jax.Array, valid: jax.Array, capacity: int) -> jax.Array:
@@ -305,9 +308,9 @@ class Follow:
     promotes the host blocks the step reads that `admit` takes (the read carries the block over
     the link: the HBM write is the only extra cost) and demotes, only to make room, the resident
     blocks the target leaves out, least expected first. What runs on a layer's critical path is
-    that vector rule alone. Online forecasts only. With admit="value" the rule reads no plan
-    (`Lrfu`, the live policy, is that rule with no plan at all; an anneal policy with it still
-    plans, and is charged for, a target the rule ignores)."""
+    that vector rule alone. With admit="value" the rule reads no plan (`Lrfu`, the live policy,
+    is that rule with no plan; an anneal policy with it still plans, and is charged for, a
+    target the rule ignores)."""
 
     admit: str = FOLLOW_ADMITS_DEFAULT
 
@@ -317,18 +320,18 @@ class Follow:
 
     def inputs(self, pstate, read_ema, reads, decay: float, layer=None, steady=None, ahead=None):
         """(target, priority, value) for `follow_moves` ([rows, N] each, or None): the plan's
-        target and expected reads (the policy's state `pstate`, [layers, N]; row `layer` as
-        [1, N] if given), or under admit="value" the blocks' values alone (`follow_value` of
-        `read_ema` and `reads`, [rows, N]; the plan is not read), where `steady` (None, or
-        `jaxkv.placement.statistics.steady_choice`'s (steady [rows, N], [rows] bool)) picks a
-        row's steady read frequency instead, and `ahead` ([rows, N] bool or None: the blocks
-        known to be read at the next step, `Lrfu.lookahead`) adds 1 to their value."""
+        target and expected reads (`pstate`'s, [layers, N]; row `layer` as [1, N] if given), or
+        under admit="value" the values alone: `follow_value`, or a row's steady read frequency
+        where `steady` (`jaxkv.placement.statistics.steady_choice`'s (rows, [rows] bool)) picks
+        it, plus 1 on `ahead` ([N] bool: layer 0's next reads, row 0's; `Lrfu.lookahead`)."""
         if self.admit == "value":
             value = follow_value(read_ema, reads, decay)
             if steady is not None:
                 rows, pick = steady
                 value = jnp.where(pick[:, None], rows, value)
-            return None, None, value if ahead is None else value + ahead
+            if ahead is not None:
+                value = value.at[0].add(ahead.astype(value.dtype))
+            return None, None, value
         if layer is None:
             return pstate.target, pstate.priority, None
         return pstate.target[layer][None], pstate.priority[layer][None], None
@@ -348,17 +351,14 @@ class Lrfu(PolicyBase):
     against LRU, the annealer's plans and the bounds: bench/RESULTS.md section 5.
 
     steady_queries: n, a multiple of `PROMPT_QUERIES` (32), or 0 (off): the adaptive
-      estimator; None (the default) is `STEADY_QUERIES` (128) with `prompt_prior`, else 0.
-      Beside the decayed read frequency each layer keeps the prior of the prompt's last n
-      queries, held constant, and per step values blocks by whichever of the two estimators'
-      top blocks (as many as a layer's HBM slots) held more of the recent reads
-      (`jaxkv.placement.statistics.steady_choice`). A trained model's reads drift and keep the
-      decayed frequency; a stationary trace's take the steady one
-      (bench/notebook/2026-12-06-forecast-limits.md). Needs `prompt_prior`.
+      estimator (needs `prompt_prior`; None, the default: `STEADY_QUERIES`, 128, with it, else
+      0). Each layer also keeps the prior of the prompt's last n queries, held constant, and per
+      step values blocks by whichever estimator's top blocks (a layer's HBM slots) held more
+      of the recent reads (`jaxkv.placement.statistics.steady_choice`): a trained model's
+      drifting reads keep the decayed frequency, a stationary trace's the steady one.
     lookahead: True (the default): layer 0's next reads, known once the next token is sampled
-      (its queries depend on the token and position only: the model's `first_query`), add 1
-      to their value in layer 0's admission (`jaxkv.decode.follow`); a model without
-      `first_query` decodes without (`Decoder.lookahead` says which)."""
+      (the model's `first_query`), add 1 to their value in layer 0's admission
+      (`jaxkv.decode.follow`); a model without `first_query` decodes without."""
 
     name: str = "lrfu"
     follow: Follow = Follow("value")

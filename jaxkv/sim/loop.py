@@ -61,7 +61,7 @@ from jaxkv.decode.state import (
 )
 from jaxkv.placement import statistics as imp
 from jaxkv.placement.observation import layer_windows, observe, placeable_blocks
-from jaxkv.placement.policies import follow_moves, moves_mask
+from jaxkv.placement.policies import follow_moves, looks_ahead, moves_mask
 from jaxkv.sim.bounds import cache_bound_seconds, min_link_crossings
 
 
@@ -310,11 +310,7 @@ def _step(setup: LoopSetup, carry, xs, future=None):
         flat = in_hbm.reshape(L, N)
         flat_read = read.reshape(L, N)
         steady = imp.steady_choice(stats, flat_read, sealed.reshape(L, N))
-        ahead = (
-            jnp.zeros((L, N), bool).at[0].set(ahead.reshape(N))
-            if getattr(policy, "lookahead", 0)
-            else None
-        )
+        ahead = ahead.reshape(N) if looks_ahead(policy) else None
         target, priority, value = policy.follow.inputs(
             pl.policy, stats.read_ema, flat_read, stats.decay, steady=steady, ahead=ahead
         )

@@ -25,7 +25,7 @@ from jaxkv import cost
 from jaxkv._pytree import pytree_dataclass, static_field
 from jaxkv.config import HardwareProfile
 from jaxkv.placement import statistics as imp
-from jaxkv.placement.policies import Observation, follow_moves, moves_mask
+from jaxkv.placement.policies import Observation, follow_moves, looks_ahead, moves_mask
 from jaxkv.sim.trace import read_mask
 
 
@@ -152,7 +152,7 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0, va
     policy = state.policy
     if policy.needs_values and values is None:
         raise ValueError(f"policy {policy.name!r} needs the dual's values (run_chunk values=)")
-    if getattr(policy, "lookahead", False) and reads_buf.shape[0] <= chunk:
+    if looks_ahead(policy) and reads_buf.shape[0] <= chunk:
         raise ValueError(
             f"policy {policy.name!r} with lookahead reads the next step's reads of layer 0: "
             f"expected reads_buf of more than chunk={chunk} steps, got {reads_buf.shape[0]}"
@@ -276,11 +276,7 @@ def _follow(k: _Chunk, c, valid, in_hbm, stats, pstate, now, mig_h, mig_l, moved
     fol = policy.follow
     r = k.reads_buf[c]
     steady = imp.steady_choice(stats, r, valid)
-    ahead = (
-        jnp.zeros_like(r).at[0].set(k.reads_buf[c + 1][0])
-        if getattr(policy, "lookahead", 0)
-        else None
-    )
+    ahead = k.reads_buf[c + 1][0] if looks_ahead(policy) else None  # layer 0's next reads
     target, priority, value = fol.inputs(
         pstate, stats.read_ema, r, stats.decay, steady=steady, ahead=ahead
     )
