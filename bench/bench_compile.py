@@ -40,7 +40,7 @@ from models.llama import Llama, LlamaConfig
 CASES = (  # (name, HBM fraction, policy)
     ("all-hbm", 1.0, "static"),
     ("static", 0.25, "static"),
-    ("lru", 0.25, "lru"),
+    ("lru-plan", 0.25, "lru-plan"),
     ("anneal", 0.25, "anneal"),
     ("anneal+reuse+follow", 0.25, "anneal+reuse+follow"),
 )

@@ -213,7 +213,7 @@ def cases(args):
         (
             f"hbm{pct} sparse{round(100 * t)} lru",
             f,
-            PlacementConfig(policy="lru", attention="sparse", topk=t, window=w),
+            PlacementConfig(policy="lru-plan", attention="sparse", topk=t, window=w),
         ),
     ]
 

@@ -45,7 +45,7 @@ from models import tiny_model  # noqa: E402
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--attention", default="sparse", choices=("exact", "sparse"))
-    ap.add_argument("--policy", default="lru")
+    ap.add_argument("--policy", default="lru-plan")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--window", type=int, default=4)
     ap.add_argument(

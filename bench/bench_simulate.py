@@ -23,10 +23,10 @@ from jaxkv.sim import simulate as sim
 from jaxkv.sim import trace as tr
 from jaxkv.sim.cli import add_simulation_args, simulation_kwargs
 
-PAPER = ["static", "lru", "page", "paper-sa", "unlimited"]
+PAPER = ["static", "lru-plan", "page", "paper-sa", "unlimited"]
 OURS = [
     "static",
-    "lru",
+    "lru-plan",
     "page",
     "paper-sa",
     "anneal",

@@ -20,7 +20,7 @@ from jaxkv import Decoder
 from jaxkv.config import CacheConfig, PlacementConfig
 from models.tiny import tiny_model
 
-CASES = (("static", "exact"), ("lru", "exact"), ("static", "sparse"), ("lru", "sparse"))
+CASES = (("static", "exact"), ("lru-plan", "exact"), ("static", "sparse"), ("lru-plan", "sparse"))
 
 
 def main(argv=None) -> int:

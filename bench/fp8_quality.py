@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_text_args(ap, model="default", dtype="bfloat16", batch=4, prompt_len=512)
     ap.add_argument("--hbm", default="0.5,0.25,tails", help="HBM sizes: fractions or 'tails'")
-    ap.add_argument("--policies", default="static,lru")
+    ap.add_argument("--policies", default="static,lru-plan")
     ap.add_argument("--attention", default="exact,sparse", help="exact and/or sparse (top 25%%)")
     ap.add_argument("--profile", default="h200-pcie")
     ap.add_argument(

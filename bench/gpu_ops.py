@@ -50,7 +50,7 @@ from jaxkv.cost import ARCHITECTURES  # noqa: E402
 from jaxkv.gpu import aot as gc  # noqa: E402
 from jaxkv.gpu import hlo  # noqa: E402
 
-POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow", "lrfu")
+POLICIES = ("static", "lru-plan", "anneal", "anneal+reuse+follow", "lrfu")
 MODES = ("exact", "sparse")
 NEW_TOKENS = 64  # max_len = context + NEW_TOKENS
 # functions that depend on the mode and policy (the prefill: lrfu starts from the prompt's prior)
@@ -294,11 +294,11 @@ def check(cases: list[dict], layers: int) -> list[str]:
 
 
 def _follows(policy: str) -> bool:
-    """The policy runs a per-step rule (`Policy.follow`) inside the decode step."""
+    """The policy runs an in-step rule (`Policy.rule`) inside the decode step."""
     from jaxkv.cost import CostModel
     from jaxkv.placement import presets
 
-    return policy != "-" and presets.resolve(policy, CostModel()).follow is not None
+    return policy != "-" and presets.resolve(policy, CostModel()).rule is not None
 
 
 def policy_free(cases: list[dict]) -> list[str]:

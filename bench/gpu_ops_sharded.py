@@ -104,7 +104,7 @@ def check(row: dict, layers: int) -> list[str]:
     converges (an unknown trip count by design, as bench/gpu_ops.py reports it), so loops are
     checked for the static / LRU policies only."""
     bad, case = [], f"{row['mesh']} {row['mode']} {row['policy']}"
-    if row["policy"] in ("static", "lru") and row["unknown_trip_loops"]:
+    if row["policy"] in ("static", "lru-plan") and row["unknown_trip_loops"]:
         bad.append(f"{case}: {row['unknown_trip_loops']} unknown-trip loops")
     tp = int(row["mesh"].split("x")[1]) > 1
     want = 2 if tp else 0  # in the scanned layer body, compiled once
@@ -128,11 +128,11 @@ def main(argv=None) -> int:
     context = parse_tokens(args.context)
     shape = SMALL if args.small else LLAMA_8B
     cases = [  # (data, model, batch, mode, policy)
-        (1, 8, 1, "exact", "lru"),
+        (1, 8, 1, "exact", "lru-plan"),
         (2, 4, 8, "sparse", "anneal"),
     ]
     if shape["num_kv_heads"] % 8:
-        cases = [(4, 2, 8, "exact", "lru"), (8, 1, 8, "sparse", "anneal")]
+        cases = [(4, 2, 8, "exact", "lru-plan"), (8, 1, 8, "sparse", "anneal")]
     rows, bad = [], []
     for d, mdl, b, mode, pol in cases:
         row, _ = compile_case(

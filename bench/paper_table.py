@@ -16,7 +16,7 @@ each online policy's ratio to the paper's oracle SA in every cell.
 
 `--quick` runs a 512-token prompt, 12 steps, 1 layer, 2 sparsities and the variation study:
 its simulations take under a second, compiling them about 45 s of CPU (20 s with one annealer:
-`--policies static,lru,page,paper-sa,anneal+reuse,unlimited`, as the test runs it).
+`--policies static,lru-plan,page,paper-sa,anneal+reuse,unlimited`, as the test runs it).
 
 The paper ran 10,239 steps x 32 layers; the default here runs fewer (printed). Our seconds at
 the paper's length are an extrapolation: the measured latency / Unlimited of the run times the
@@ -52,10 +52,10 @@ SPARSITIES = (0.4, 0.5, 0.6, 0.8, 0.85, 0.9)
 MAIN_TRACE = "real-like"  # calibrated to a recorded trace (jaxkv.sim.trace): the paper's real trace
 VARIATION = ("recency-low", "real-like", "recency-high")  # the paper's low / real / high
 VARIATION_S = 0.6
-PAPER_COLS = ("static", "lru", "page", "paper-sa", "unlimited")
+PAPER_COLS = ("static", "lru-plan", "page", "paper-sa", "unlimited")
 ONLINE = ("anneal+reuse", "anneal+reuse+follow")
-POLICIES = ("static", "lru", "page", "paper-sa", *ONLINE, "anneal-oracle", "unlimited")
-LABEL = {"static": "Static", "lru": "Reactive", "page": "Page", "unlimited": "Unlimited"}
+POLICIES = ("static", "lru-plan", "page", "paper-sa", *ONLINE, "anneal-oracle", "unlimited")
+LABEL = {"static": "Static", "lru-plan": "Reactive", "page": "Page", "unlimited": "Unlimited"}
 
 # docs/paper.md: decode latency (s) for 10,239 steps x 32 layers, LLaMA-3.1-8B, NarrativeQA, GH200
 PAPER_LATENCY = {
@@ -66,7 +66,7 @@ PAPER_LATENCY = {
     0.85: (58.19, 21.43, 16.20, 15.48, 14.86),
     0.9: (39.51, 15.72, 13.77, 13.64, 13.43),
 }
-PAPER_HIT_60 = {"static": 0.583, "lru": 0.755, "page": 0.887, "paper-sa": 0.913}
+PAPER_HIT_60 = {"static": 0.583, "lru-plan": 0.755, "page": 0.887, "paper-sa": 0.913}
 # docs/paper.md: Unlimited / latency at 60% (Static / Reactive / Page / SA), per trace
 PAPER_VARIATION = {
     "recency-low": (0.149, 0.276, 0.978, 0.986),
@@ -186,7 +186,7 @@ def fmt(x, spec=".3f"):
 def ordering(p: dict) -> dict:
     """The paper's order at one cell: Static > Reactive > Page > paper-sa >= Unlimited, with
     each neighbour's latency ratio (> 1 where the order holds)."""
-    chain = ["static", "lru", "page", "paper-sa", "unlimited"]
+    chain = ["static", "lru-plan", "page", "paper-sa", "unlimited"]
     pairs = []
     for a, b in zip(chain, chain[1:], strict=False):
         r = p[a]["latency_s"] / p[b]["latency_s"]

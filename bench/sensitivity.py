@@ -139,9 +139,9 @@ def _rows(field, full, quick_vals, policy="anneal"):
 def rows_capacity(base, quick):
     rows = []
     for f in (0.2, 0.4) if quick else (0.1, 0.25, 0.4, 0.6, 0.9):
-        for p in ("static", "lru", "paper-sa[10,1.0]", "anneal"):
+        for p in ("static", "lru-plan", "paper-sa[10,1.0]", "anneal"):
             s = dataclasses.replace(base, pool=f)
-            rows.append(Row(f"{f:.0%} {p}", f"{f:.0%}", p, s, f, p, plot=p in ("lru", "anneal")))
+            rows.append(Row(f"{f:.0%} {p}", f"{f:.0%}", p, s, f, p, plot=p in ("lru-plan", "anneal")))
     return rows
 
 
@@ -307,7 +307,7 @@ def _capacity_line(rows, traces, guide) -> str:
     static = [r for r in rows if r.policy == "static"]
     near = [min(static, key=lambda r: abs(r.cells[k]["hbm_hit_rate"] - 0.62)).value for k in traces]
     parts = []
-    for pol in ("lru", "paper-sa[10,1.0]", "anneal"):
+    for pol in ("lru-plan", "paper-sa[10,1.0]", "anneal"):
         fit = []
         for kind in traces:
             ok = [r.value for r in rows if r.policy == pol and r.cells[kind]["vs_unlimited"] <= 1.1]

@@ -526,24 +526,25 @@ class PlacementConfig:
     """How and when the decode loop re-plans placement.
 
     Attributes:
-      policy: policy name (a preset of `jaxkv.placement.presets`), "anneal" with the modifiers
-        +reuse, +follow, +aw, +ec (`jaxkv.placement.presets.split_name`), "lrfu" (the live
-        policy), or a policy object (`jaxkv.placement.policies.Policy`, e.g. a composed
-        `Anneal`: online, with its `window` equal to this window), checked by the
-        Decoder (`jaxkv.decode.setup.live_policy`).
+      policy: a registered policy name (`jaxkv.placement.registry`: "lrfu", the live policy
+        and the default; the field's rules "lru", "arc", "slru", "lfu", "tinylfu"; "static",
+        "lru-plan"; "anneal" with the modifiers +reuse, +follow, +aw, +ec), or a policy object
+        (`jaxkv.placement.policies.Policy`, e.g. a composed `Anneal`: online, with its
+        `window` equal to this window), checked by the Decoder
+        (`jaxkv.decode.setup.live_policy`).
       window: steps between plans (W); held in the decode state, so changing it never recompiles.
       adaptive_window: adapt W by +-window_step from the HBM hit rate, within
         [min_window, max_window].
-      max_moves: migrations per layer per window (the migration budget); under +follow,
-        promotions per layer per step.
+      max_moves: migrations per layer per window (the migration budget); for a policy with an
+        in-step rule (lrfu, the field's rules, +follow), promotions per layer per step.
       attention: "exact" reads every block; "sparse" reads the top-k blocks by the Quest bound.
       topk: blocks read in sparse mode: an int count or a float fraction of the written blocks.
       sink_blocks, recent_blocks: always read in sparse mode.
     """
 
-    policy: Any = (
-        "static"  # a preset name or a jaxkv.placement.policies.Policy (which imports this module)
-    )
+    # a registered name or a jaxkv.placement.policies.Policy (which imports this module);
+    # the default is `jaxkv.placement.registry.DEFAULT_LIVE`, the live policy
+    policy: Any = "lrfu"
     window: int = 50
     adaptive_window: bool = False
     min_window: int = 20

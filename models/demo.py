@@ -20,6 +20,7 @@ rate per policy (bench/results/demo.png by default).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import sysconfig
@@ -31,10 +32,19 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import Decoder, summarize
-from jaxkv.cli import atomic_output
 from jaxkv.config import PROFILES, CacheConfig, PlacementConfig, check_number
+from jaxkv.decode.setup import live_policy
 from jaxkv.placement.presets import split_policies
 from jaxkv.sim import loop
+from models.demo_report import (  # noqa: F401  (the report's: demo.format_table, demo.LIMIT)
+    FIELD_RULES,
+    LIMIT,
+    best_field_rule,
+    format_table,
+    gap_closed,
+    hbm_said,
+    plot_report,
+)
 from models.generate import (
     HBM_KEYWORDS,
     add_hbm_options,
@@ -49,8 +59,14 @@ from models.generate import (
 )
 from models.record import check_writable
 
-DEFAULT_POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow", "lrfu")
-OWN_WINDOWS = {"lru": 1}  # LRU's best W here (at W 16: 25% fewer tok/s; RESULTS section 5)
+# decoded live (tokens compared with the all-HBM cache's): write order, the field's LRU hot
+# buffer, the annealer following its plan inside the steps, the live policy
+DEFAULT_POLICIES = ("static", "lru", "anneal+reuse+follow", "lrfu")
+# the field's other rules, replayed on the recorded reads in the decode loop's own accounting
+# (`jaxkv.sim.loop`: the decoder's admission function and costs; tests/test_sim_loop.py holds
+# the replay equal to the decode), beside Belady's MIN with bypass, the attainable limit
+DEFAULT_REPLAYED = ("arc", "slru", "lfu", "tinylfu")
+OWN_WINDOWS = {"lru-plan": 1}  # LRU planned every W steps is best at W 1 (RESULTS section 5)
 DEFAULT_MODEL = "smollm2"
 DEFAULT_PROMPT_LEN, DEFAULT_NEW_TOKENS = 2048, 64  # `make demo` within minutes on 2 cores
 QUESTION = "What does this Python module do? Answer in two sentences."
@@ -129,6 +145,11 @@ def check_demo_args(values: dict, label=lambda name: name) -> None:
         )
     for p in policies:
         check_live_policy(p, label("policies"))
+    replay = values.get("replay", ())
+    if isinstance(replay, str):
+        raise ValueError(f"{label('replay')}={replay!r}: expected a sequence of policy names")
+    for p in replay:
+        check_live_policy(p, label("replay"))
     check_number(label("window"), values["window"], integer=True, low=1)
     check_number(label("block_size"), values["block_size"], integer=True, low=1)
     if values["attention"] not in ("exact", "sparse"):
@@ -152,6 +173,7 @@ def run_demo(
     hbm_blocks: int | None = None,
     hbm_bytes: float | None = None,
     policies=DEFAULT_POLICIES,
+    replay=DEFAULT_REPLAYED,
     window: int = 16,
     block_size: int = 16,
     attention: str = "exact",
@@ -171,6 +193,7 @@ def run_demo(
         hbm_blocks=hbm_blocks,
         hbm_bytes=hbm_bytes,
         policies=policies,
+        replay=replay,
         window=window,
         block_size=block_size,
         progress=progress,
@@ -187,6 +210,7 @@ def run_demo_parts(
     hbm_blocks: int | None = None,
     hbm_bytes: float | None = None,
     policies=DEFAULT_POLICIES,
+    replay=DEFAULT_REPLAYED,
     window: int = 16,
     block_size: int = 16,
     progress: bool = True,
@@ -206,6 +230,7 @@ def run_demo_parts(
                 hbm_blocks=hbm_blocks,
                 hbm_bytes=hbm_bytes,
                 policies=policies,
+                replay=replay,
                 window=window,
                 block_size=block_size,
                 attention=attention,
@@ -253,9 +278,33 @@ def run_demo_parts(
                 window,
                 block_size,
                 bar,
+                replay,
             )
             for attention, profile in parts
         ]
+
+
+def _replay_setup(setup, name: str, window: int):
+    """`setup` (the first tiered run's, `jaxkv.sim.loop.LoopSetup`) with policy `name` as a
+    Decoder of that cache would build it (its own W if it has one, `OWN_WINDOWS`)."""
+    w = OWN_WINDOWS.get(name, window)
+    placement = dataclasses.replace(setup.placement, policy=name, window=w)
+    policy = live_policy(placement, setup.env, {})
+    return dataclasses.replace(setup, placement=placement, policy=policy)
+
+
+def _replayed(r) -> dict:
+    """A replay's row: its modeled figures (no wall time, no plan: a replay decodes nothing;
+    the field's rules and Belady plan nothing either)."""
+    sm = r.summary()
+    return dict(
+        sm,
+        plan_ms=0.0,
+        plan_ms_per_step=0.0,
+        wall_tokens_per_s=None,
+        window=None,
+        replayed=True,
+    )
 
 
 def _run_part(
@@ -270,11 +319,14 @@ def _run_part(
     window,
     block_size,
     bar,
+    replay=DEFAULT_REPLAYED,
 ):
     """One table: each run (name, HBM capacity keyword, policy) decoded and summarized, every
-    decoder started from one forward pass over the prompt (`tiered`: the policies' cache).
-    Stop tokens do not end the runs (every policy decodes the same steps); the answer is cut
-    at the first one."""
+    decoder started from one forward pass over the prompt (`tiered`: the policies' cache);
+    then the first tiered run's reads recorded (`jaxkv.sim.loop.record`) and the policies of
+    `replay` replayed on them, with Belady's MIN with bypass (`jaxkv.sim.loop.limit`) and the
+    lower bounds. Stop tokens do not end the runs (every policy decodes the same steps); the
+    answer is cut at the first one."""
     mc = model.config
     _, params = nnx.split(model)
     prompt_len = prompt.shape[1]
@@ -316,11 +368,21 @@ def _run_part(
         tokens[name] = np.asarray(state.tokens)
         if first_tiered is None and name != "all-hbm":
             first_tiered = dec
-    bound = None
-    if first_tiered is not None:  # the reads of one run bound every placement's time
-        bar.set_postfix_str(f"{attention}: the bound (compiling, recording the reads)")
+    bound, replayed = None, {}
+    if first_tiered is not None:  # the reads of one run: the replays, the limit, the bounds
+        bar.set_postfix_str(f"{attention}: recording the reads, replaying, the bounds")
         state = first_tiered.prefill(params, prompt, prefilled=prefilled)
-        bound = loop.decode_bound(first_tiered, params, state, new_tokens - 1)
+        rec, _ = loop.record(first_tiered, params, state, new_tokens - 1)
+        setup = loop.LoopSetup.of(first_tiered)
+        steps = new_tokens - 1
+        b = loop.bounds(setup, rec)
+        bound = {k: steps / b[k] for k in ("unlimited", "capacity", "cache", "best")}
+        for name in replay:
+            replayed[name] = _replayed(loop.replay(_replay_setup(setup, name, window), rec))
+        replayed["belady (limit)"] = _replayed(loop.limit(setup, rec))
+        for name, r in replayed.items():
+            r["hbm_blocks"], r["total_blocks"] = first_tiered.cache_config.hbm_slots, None
+            results[name] = r
     ref = tokens["all-hbm"]
     same = all(np.array_equal(t, ref) for t in tokens.values())
     answer = decode_text(text["tokenizer"], ref[0], text["stop"])
@@ -357,149 +419,16 @@ def _run_part(
                 "modeled_tokens_per_s_with_plan": r.get(
                     "modeled_tokens_per_s_with_plan", r["modeled_tokens_per_s"]
                 ),
+                "replayed": bool(r.get("replayed", False)),
             }
             for name, r in results.items()
         },
     }
 
 
-def hbm_said(report: dict) -> str:
-    """The policies' HBM as the report's capacity gave it: "25% of the KV footprint", or the
-    blocks or bytes given with the blocks per layer and the fraction they make."""
-    given = report.get("hbm_capacity", {})
-    pct = f"{100 * report['hbm_fraction']:.0f}% of the KV footprint"
-    if "hbm_blocks" in given:
-        return f"{given['hbm_blocks']:,} blocks per layer of {report['total_blocks']:,}: {pct}"
-    if "hbm_bytes" in given:
-        return (
-            f"{given['hbm_bytes']:,} bytes: {report['hbm_blocks']:,} blocks per layer of "
-            f"{report['total_blocks']:,}, {pct}"
-        )
-    return pct
-
-
-def gap_closed(report: dict) -> str:
-    """What the bound row means, and the share of the gap between the best of static and lru
-    and the bound that each other policy closes, planning charged."""
-    pol, best = report["policies"], report["bound_tokens_per_s"]["best"]
-    base = max(pol[n]["modeled_tokens_per_s_with_plan"] for n in ("static", "lru") if n in pol)
-    gap = best - base  # below 1% of the bound: the best of static and lru is at it
-    closed = [
-        f"{n} {100 * (r['modeled_tokens_per_s_with_plan'] - base) / gap:.0f}%"
-        for n, r in pol.items()
-        if n not in ("all-hbm", "static", "lru") and gap > 0.01 * best
-    ]
-    said = f"; gap from the best of static and lru closed, plan charged: {', '.join(closed)}"
-    if gap <= 0.01 * best:
-        said = "; the best of static and lru is within 1% of it"
-    return (
-        "bound: no placement of this HBM size reads these blocks faster (jaxkv.sim.loop.bounds: "
-        "the fewest link crossings, and HBM re-chosen for free before each step)" + said
-    )
-
-
-def format_table(report: dict) -> str:
-    rows = [
-        (
-            "policy",
-            "W",
-            "HBM hit rate",
-            "blocks migrated",
-            "modeled tok/s",
-            "plan ms (/step)",
-            "modeled tok/s, plan charged",
-            "wall tok/s",
-        )
-    ]
-    base = report["policies"]["all-hbm"]["wall_tokens_per_s"]
-    for name, r in report["policies"].items():
-        rows.append(
-            (
-                name,
-                "-" if r.get("window") is None else str(r["window"]),
-                f"{100 * r['hbm_hit_rate']:.1f}%",
-                str(r["migrated_blocks"]),
-                f"{r['modeled_tokens_per_s']:,.0f}",
-                f"{r['plan_ms']:.2f} ({r['plan_ms_per_step']:.3f})",
-                f"{r['modeled_tokens_per_s_with_plan']:,.0f}",
-                f"{r['wall_tokens_per_s']:,.1f} ({r['wall_tokens_per_s'] / base:.2f}x)",
-            )
-        )
-    bound = report.get("bound_tokens_per_s")
-    if bound:
-        rows.append(("bound (any placement)", "", "", "", f"{bound['best']:,.0f}", "", "", ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    if bound:
-        lines += ["", gap_closed(report)]
-    lossless = report["lossless"] if report["attention"] == "exact" else report["placement_free"]
-    head = (
-        f"jaxkv demo: {report['model']}; prompt {report['prompt_tokens']} tokens, "
-        f"{report['new_tokens']} generated; HBM {hbm_said(report)} (all-hbm: 100%); "
-        f"{report['attention']} attention; modeled on "
-        f"{report['profile']}; wall on {report['device']}, jax {report['jax']}"
-    )
-    note = (
-        "W: steps between plans; plan ms: one plan's wall time on this device (/step: spread "
-        "over the W steps); 'plan charged' lengthens each modeled step by the share of a "
-        "step's wall time that planning adds here"
-    )
-    if report["attention"] == "exact":
-        tail = (
-            "lossless: tokens identical to the all-HBM cache under every policy"
-            if lossless
-            else "NOT lossless: some policy changed the generated tokens"
-        )
-    else:
-        tail = (
-            "placement-free: sparse attention approximates the model, but its tokens are "
-            "identical to the all-HBM cache's under every policy"
-            if lossless
-            else "NOT placement-free: some policy changed the sparse run's tokens"
-        )
-    said = report["answer"].strip()
-    who = "the model's answer" if report.get("chat") else "the model's continuation"
-    answer = f"{who} (all-HBM cache, {report['attention']} attention): {said!r}"
-    return "\n".join([head, "", answer, "", *lines, "", note, tail])
-
-
-def plot_report(reports: list[dict], path: Path) -> Path | None:
-    """A PNG of modeled tokens/s (planning charged) and HBM hit rate per policy, one row of
-    panels per run; None when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, axes = plt.subplots(len(reports), 2, figsize=(10, 3.2 * len(reports)), squeeze=False)
-    for (ax_t, ax_h), r in zip(axes, reports, strict=True):
-        names = list(r["policies"])
-        tps = [r["policies"][n]["modeled_tokens_per_s_with_plan"] / 1e3 for n in names]
-        hit = [100 * r["policies"][n]["hbm_hit_rate"] for n in names]
-        colors = ["0.6" if n == "all-hbm" else f"C{i}" for i, n in enumerate(names)]
-        title = f"{r['attention']} attention, {r['profile']}"
-        ax_t.barh(names, tps, color=colors)
-        ax_t.set_xlabel("modeled tokens/s (thousands), planning charged")
-        ax_t.set_title(title)
-        ax_t.invert_yaxis()
-        ax_h.barh(names, hit, color=colors)
-        ax_h.set_xlabel("HBM hit rate (%)")
-        ax_h.set_xlim(0, 100)
-        ax_h.set_title(f"HBM holds {100 * r['hbm_fraction']:.0f}% of the KV")
-        ax_h.invert_yaxis()
-    fig.suptitle(f"jaxkv demo: {reports[0]['model']}", fontsize=9)
-    fig.tight_layout()
-    with atomic_output(path, ".png") as tmp:  # no half-written figure on a failure or Ctrl-C
-        fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
-    return path
-
-
 def _cmd(args) -> int:
     policies = tuple(split_policies(args.policies))
+    replay = tuple(split_policies(args.replay, "--replay"))
     if not policies:
         raise ValueError(
             f"--policies={args.policies!r}: expected comma-separated policy names, e.g. "
@@ -512,7 +441,7 @@ def _cmd(args) -> int:
     }[args.attention]
     for attention, profile in parts:
         values = vars(args) | dict(
-            policies=policies, block_size=16, attention=attention, profile=profile
+            policies=policies, replay=replay, block_size=16, attention=attention, profile=profile
         )
         names = {"profile": "--profile" if attention == "exact" else "--placement-profile"}
         check_demo_args(values, label=lambda n, m=names: m.get(n, "--" + n.replace("_", "-")))
@@ -528,6 +457,7 @@ def _cmd(args) -> int:
         hbm_blocks=args.hbm_blocks,
         hbm_bytes=args.hbm_bytes,
         policies=policies,
+        replay=replay,
         window=args.window,
         progress=not args.json,
     )
@@ -571,13 +501,20 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--policies",
         default=",".join(DEFAULT_POLICIES),
-        help="comma-separated policy names",
+        help="comma-separated policy names, each decoded (default: %(default)s)",
+    )
+    p.add_argument(
+        "--replay",
+        default=",".join(DEFAULT_REPLAYED),
+        help="comma-separated policy names replayed on the first tiered run's reads in the "
+        "decode loop's accounting, beside Belady's limit ('' for none; default: %(default)s)",
     )
     p.add_argument(
         "--window",
         type=int,
         default=16,
-        help="steps between placement plans (W) of the planned policies; lru plans every step",
+        help="steps between placement plans (W) of the planned policies; lru-plan plans every "
+        "step",
     )
     p.add_argument(
         "--attention",

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
+import jaxkv.sim  # noqa: F401  (registers the oracles: their names get the precise refusal)
 from jaxkv import Decoder, Greedy, Sampling
 from jaxkv.cache.quant import FP8_MODES
 from jaxkv.config import CacheConfig, PlacementConfig, check_number
@@ -83,7 +84,7 @@ def check_live_policy(name: str, label: str = "policy") -> None:
             "does not have (it plans between steps); +follow plans a target between steps and "
             f"follows it inside every step: use e.g. {use!r}"
         )
-    if base not in presets.BASES:
+    if base not in presets.names():
         raise ValueError(f"{label}={name!r}: unknown policy {base!r}; {live}")
     try:
         base, mods = presets.split_name(name)

@@ -19,7 +19,7 @@ def main() -> int:
     ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--processes", type=int, default=1)
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--policy", default="lru")
+    ap.add_argument("--policy", default="lru-plan")
     ap.add_argument("--attention", default="exact")
     ap.add_argument("--fp8", default="off")
     ap.add_argument("--fp8-age", type=int, default=0)

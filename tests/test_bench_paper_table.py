@@ -17,7 +17,7 @@ _spec.loader.exec_module(pt)
 POLICY_FIELDS = ("latency_s", "vs_unlimited", "hbm_hit_rate", "ms_per_step", "scaled_s")
 # --quick with every policy spends about 45 s of CPU compiling the three annealers' simulations;
 # one online annealer keeps the test near 20 s and every code path of the script still runs
-POLICIES = ("static", "lru", "page", "paper-sa", "anneal+reuse", "unlimited")
+POLICIES = ("static", "lru-plan", "page", "paper-sa", "anneal+reuse", "unlimited")
 
 
 def finite(x) -> bool:
@@ -54,7 +54,7 @@ def test_quick_json_has_every_cell_with_finite_values(quick):
     assert [v["trace"] for v in doc["variation"]] == list(pt.VARIATION)
     for v in doc["variation"]:
         assert all(finite(x) and x > 0 for x in v["ours"].values())
-        assert set(v["ratio_to_paper"]) == {"static", "lru", "page", "paper-sa"}
+        assert set(v["ratio_to_paper"]) == {"static", "lru-plan", "page", "paper-sa"}
         assert all(finite(x) for x in v["ratio_to_paper"].values())
     assert doc["best_online"] == "anneal+reuse"
     assert finite(doc["online_stats"]["anneal+reuse"]["geomean_vs_paper_sa"])
@@ -72,7 +72,7 @@ def test_quick_writes_the_figure(quick):
 
 
 def test_ordering_names_the_pair_that_fails():
-    lat = dict(static=5.0, lru=2.0, page=3.0, **{"paper-sa": 1.2}, unlimited=1.0)
+    lat = dict(static=5.0, **{"lru-plan": 2.0}, page=3.0, **{"paper-sa": 1.2}, unlimited=1.0)
     o = pt.ordering({n: {"latency_s": x} for n, x in lat.items()})
     assert not o["holds"]
     assert [p["holds"] for p in o["pairs"]] == [True, False, True, True]

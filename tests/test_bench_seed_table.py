@@ -46,7 +46,7 @@ def test_table_fields_are_finite(quick):
             assert r["speedup_vs_static"] == 1.0
     assert doc["best_online"] in mod.ONLINE
     assert all(finite(v) for v in doc["online_geomean_speedup"].values())
-    assert set(doc["seed_table"]) == {"static", "lru", "paper-sa", "improved SA"}
+    assert set(doc["seed_table"]) == {"static", "lru-plan", "paper-sa", "improved SA"}
     assert finite(doc["wall_s"]) and doc["device"] and doc["jax"]
     assert all(finite(v) for v in doc["weight_ceiling_tokens_per_s"].values())
     for r in doc["table"]:  # no policy passes the weight-bound ceiling

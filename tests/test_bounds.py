@@ -133,14 +133,14 @@ def test_hand_computed_cache_bound():
     mass = np.ones((2, 1, 2), np.float32)
     trace = tr.validate(dict(version=1, prompt_len=3, block_size=1, ids=ids, mass=mass))
     kw = dict(profile=PROF, geometry=GEO, sparsity=0.0, capacity_blocks=1, progress=False)
-    res = sim.simulate(trace, ["lru", "unlimited"], keep_fetched=True, **kw)
+    res = sim.simulate(trace, ["lru-plan", "unlimited"], keep_fetched=True, **kw)
     b = res["bounds"]
     assert b["cache_crossings"] == [3]
     assert b["unlimited_s"] == pytest.approx(52 / 11, rel=1e-6)
     assert b["capacity_s"] == pytest.approx(8.0)
     assert b["cache_s"] == pytest.approx(12.0)
     assert b["best_s"] == pytest.approx(12.0)
-    assert res["policies"]["lru"]["latency_s"] == pytest.approx(12.0)
+    assert res["policies"]["lru-plan"]["latency_s"] == pytest.approx(12.0)
     # the per-layer formula: max(sum_t u_t, F b / B_link) = Unlimited + excess over sum_t L*_t
     assert bnd.cache_bound_seconds([3], [52 / 11], 4.0, 1.0).tolist() == [12.0]
     assert bnd.cache_bound_seconds([1], [52 / 11], 4.0, 1.0) == pytest.approx(52 / 11)
@@ -180,7 +180,7 @@ def test_weight_dominated_steps_lend_their_link_time():
 FAST = AnnealConfig(chains=4, max_iters=100)
 NAMES = [
     "static",
-    "lru",
+    "lru-plan",
     "page",
     "paper-sa",
     "anneal",

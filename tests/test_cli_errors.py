@@ -11,6 +11,7 @@ import models.demo
 import models.generate
 import models.record
 from jaxkv import cli
+from jaxkv.placement import presets
 from jaxkv.sim import cli as simulate_cli
 from jaxkv.sim import trace as tr
 
@@ -73,9 +74,9 @@ def error(capsys, argv) -> str:
         ("--geometry", "gpt", "--geometry='gpt': unknown geometry 'gpt'; expected one of"),
         ("--geometry", "trace", "--geometry='trace': a synthetic trace carries no geometry"),
         ("--policies", ",", "--policies=',': expected comma-separated policy names"),
-        ("--policies", "lru+aw", "--policies: policy 'lru+aw': modifiers (+aw) apply to"),
+        ("--policies", "lru-plan+aw", "--policies: policy 'lru-plan+aw': modifiers (+aw) apply to"),
         ("--policies", "static,paper-sa[10,0.5", "--policies='static,paper-sa[10,0.5': unbalanced"),
-        ("--policies", "lru,paper-sa[0,0.5]", "policy 'paper-sa[0,0.5]': expected paper-sa[W,R]"),
+        ("--policies", "lru-plan,paper-sa[0,0.5]", "policy 'paper-sa[0,0.5]': expected paper-sa[W,R]"),
         ("--trace", "synthetic:zipf", "--trace='synthetic:zipf': unknown synthetic trace 'zipf'"),
     ],
 )
@@ -217,7 +218,7 @@ def test_generate_unlimited_suggests_only_live_policies(capsys, no_work):
     """It suggested 'anneal-oracle', which the decode loop rejects in turn."""
     line = error(capsys, ["generate", "--prompt", "x", "--policy", "unlimited"])
     assert "--policy='unlimited': the Unlimited-HBM bound, not a placement" in line
-    assert "one of ['static', 'lru', 'reactive', 'lrfu', 'anneal']" in line
+    assert f"one of {presets.names(online_only=True)}" in line
     assert "oracle" not in line.split("not a placement")[1]
 
 
@@ -228,8 +229,8 @@ def test_generate_oracle_policy_refused(capsys, no_work):
 
 def test_generate_plus_now_points_to_follow(capsys, no_work):
     """`lru+now` explained +aw / +ec; +now is not in the decode loop, +follow is."""
-    line = error(capsys, ["generate", "--prompt", "x", "--policy", "lru+now"])
-    assert "--policy='lru+now': +now plans with the step's own read set" in line
+    line = error(capsys, ["generate", "--prompt", "x", "--policy", "lru-plan+now"])
+    assert "--policy='lru-plan+now': +now plans with the step's own read set" in line
     assert "use e.g. 'lrfu'" in line
     line = error(capsys, ["generate", "--prompt", "x", "--policy", "anneal+now"])
     assert "use e.g. 'anneal+follow'" in line
@@ -359,7 +360,7 @@ def test_trace_out_not_writable(capsys, no_work, prompt_file, tmp_path, monkeypa
         (["--profile", "tpu"], "--profile='tpu': unknown hardware profile; expected one of"),
         (["--policies", ","], "--policies=',': expected comma-separated policy names"),
         (["--policies", "static,nope"], "--policies='nope': unknown policy 'nope'"),
-        (["--policies", "lru+now"], "--policies='lru+now': +now plans with the step's own"),
+        (["--policies", "lru-plan+now"], "--policies='lru-plan+now': +now plans with the step's own"),
     ],
 )
 def test_demo_option_checked_first(capsys, no_work, args, expected):

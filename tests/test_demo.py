@@ -21,7 +21,9 @@ def test_demo_json_is_lossless_and_shows_placement(capsys, tmp_path):
             "--new-tokens",
             "20",
             "--policies",
-            "static,lru",
+            "static,lru-plan,lru",
+            "--replay",
+            "lfu",
             "--window",
             "4",
             "--plot",
@@ -34,12 +36,13 @@ def test_demo_json_is_lossless_and_shows_placement(capsys, tmp_path):
     sparse = report["placement"]
     assert sparse["attention"] == "sparse" and sparse["profile"] == "h200-pcie"
     assert sparse["lossless"] is None and sparse["placement_free"] is True
-    st, lru = sparse["policies"]["static"], sparse["policies"]["lru"]
+    st, lru = sparse["policies"]["static"], sparse["policies"]["lru-plan"]
     assert st["hbm_hit_rate"] != lru["hbm_hit_rate"]
     assert st["modeled_tokens_per_s"] != lru["modeled_tokens_per_s"]
     pytest.importorskip("matplotlib")
     assert report["plot"] == str(tmp_path / "demo.png") and (tmp_path / "demo.png").stat().st_size
-    assert set(report["policies"]) == {"all-hbm", "static", "lru"}
+    decoded = {"all-hbm", "static", "lru-plan", "lru"}
+    assert set(report["policies"]) == decoded | {"lfu", demo.LIMIT}
     for r in [*report["policies"].values(), *sparse["policies"].values()]:
         assert set(r) == {
             "hbm_hit_rate",
@@ -50,21 +53,29 @@ def test_demo_json_is_lossless_and_shows_placement(capsys, tmp_path):
             "plan_ms_per_step",
             "modeled_tokens_per_s_with_plan",
             "window",
+            "replayed",
         }
-        assert r["wall_tokens_per_s"] > 0
+        assert (r["wall_tokens_per_s"] is None) == r["replayed"]
+        assert r["replayed"] or r["wall_tokens_per_s"] > 0
         assert r["modeled_tokens_per_s_with_plan"] <= r["modeled_tokens_per_s"]
+    assert [n for n, r in sparse["policies"].items() if r["replayed"]] == ["lfu", demo.LIMIT]
     assert report["policies"]["static"]["plan_ms"] == 0.0  # static never plans
-    # lru plans every step (demo.OWN_WINDOWS); the others at --window; static never
-    windows = [report["policies"][n]["window"] for n in ("all-hbm", "static", "lru")]
-    assert windows == [None, None, 1]
-    assert report["policies"]["lru"]["plan_ms"] > 0.0
+    # lru-plan plans every step (demo.OWN_WINDOWS); static and the in-step rules never
+    windows = [report["policies"][n]["window"] for n in ("all-hbm", "static", "lru-plan", "lru")]
+    assert windows == [None, None, 1, None]
+    assert report["policies"]["lru-plan"]["plan_ms"] > 0.0
+    # Belady's limit hits at least as often as every rule in the step (its reads are theirs)
+    for name in ("lru", "lfu"):
+        assert sparse["policies"][demo.LIMIT]["hbm_hit_rate"] >= sparse["policies"][name][
+            "hbm_hit_rate"
+        ] * (1 - 1e-9)
     assert report["policies"]["all-hbm"]["hbm_hit_rate"] == 1.0
     assert report["policies"]["static"]["hbm_hit_rate"] < 0.5
     # the bound (jaxkv.sim.loop): no placement of the policies' HBM size reads faster
     for r in (report, sparse):
         b = r["bound_tokens_per_s"]
         assert b["unlimited"] >= b["best"] >= b["capacity"] * (1 - 1e-6) and b["best"] > 0
-        for name in ("static", "lru"):
+        for name in ("static", "lru-plan", "lru", "lfu", demo.LIMIT):
             assert r["policies"][name]["modeled_tokens_per_s"] <= b["best"] * (1 + 1e-6)
 
 
@@ -109,16 +120,21 @@ def test_demo_table_is_readable(capsys):
     assert "policy" in text and "lru" in text and "(0.50x)" in text and "lossless" in text
     assert "1.50 (0.375)" in text and "plan charged" in text
     assert "the model's answer (all-HBM cache, exact attention): 'It parses command lines.'" in text
-    assert "bound" not in text  # none measured
-    report["policies"]["static"] = dict(report["policies"]["lru"], modeled_tokens_per_s_with_plan=4)
+    assert "bound" not in text and "limit" not in text  # none measured
+    replayed = dict(report["policies"]["lru"], wall_tokens_per_s=None, replayed=True)
+    report["policies"]["lfu"] = dict(replayed, modeled_tokens_per_s_with_plan=4.5)
     report["policies"]["mine"] = dict(report["policies"]["lru"], modeled_tokens_per_s_with_plan=6)
-    report["bound_tokens_per_s"] = dict(unlimited=9.0, capacity=7.0, cache=6.5, best=7.5)
+    report["policies"][demo.LIMIT] = dict(replayed, modeled_tokens_per_s=7.5)
+    report["bound_tokens_per_s"] = dict(unlimited=9.0, capacity=7.0, cache=6.5, best=8.5)
     text = format_table(report)
-    assert re.search(r"\nbound \(any placement\)\s+8\s", text)  # 7.5 tok/s, rounded
-    assert "closed, plan charged: mine 50%" in text  # (6 - 4.5) / (7.5 - 4.5)
-    report["bound_tokens_per_s"]["best"] = 4.52  # no gap to speak of: no share printed
+    assert re.search(r"\nbound \(any placement\)\s+8\s", text)  # 8.5 tok/s, rounded
+    assert re.search(r"\nlfu .* replayed\n", text)
+    # (6 - 4.5) / (7.5 - 4.5): from the best field rule (lru and lfu tie at 4.5) to Belady
+    assert "to Belady closed, plan charged: mine 50%" in text
+    report["policies"][demo.LIMIT]["modeled_tokens_per_s"] = 4.52  # no gap to speak of
     text = format_table(report)
-    assert "the best of static and lru is within 1% of it" in text and "mine" not in text[-400:]
+    assert "the best field rule (lru) is within 1% of Belady's" in text
+    assert "mine" not in text[-400:]
 
 
 def test_demo_unknown_policy_is_a_clear_error(capsys):
@@ -156,6 +172,8 @@ def test_demo_short_runs_and_bad_lengths(capsys):
             "5",
             "--policies",
             "static",
+            "--replay",
+            "",
             "--attention",
             "exact",
             "--no-plot",
@@ -163,7 +181,7 @@ def test_demo_short_runs_and_bad_lengths(capsys):
     )
     report = json.loads(capsys.readouterr().out)
     assert rc == 0 and report["lossless"] is True
-    assert all(r["wall_tokens_per_s"] > 0 for r in report["policies"].values())
+    assert all(r["replayed"] or r["wall_tokens_per_s"] > 0 for r in report["policies"].values())
     assert cli.main(["demo", "--new-tokens", "2"]) == 2
     assert "--new-tokens=2: expected an integer >= 3" in capsys.readouterr().err
     argv = ["demo", "--model", "default", "--prompt-len", "100000", "--new-tokens", "8"]

@@ -234,7 +234,7 @@ def test_simulator_prices_fp8_blocks(lo, hi, profile, capacity):
         progress=False,
         time_plans=False,
     )
-    names = ["static", "lru", "unlimited"]
+    names = ["static", "lru-plan", "unlimited"]
     off = sim.simulate(trace, names, fp8=lo, **kw)
     on = sim.simulate(trace, names, fp8=hi, **kw)
     bf16 = off["setup"]["block_bytes"] if lo == "off" else 2 * off["setup"]["host_block_bytes"]
@@ -242,7 +242,7 @@ def test_simulator_prices_fp8_blocks(lo, hi, profile, capacity):
     if hi == "age":
         assert on["setup"]["block_bytes"] == on["setup"]["host_block_bytes"]
     on_p, off_p = on["policies"], off["policies"]
-    for n in ("static", "lru"):
+    for n in ("static", "lru-plan"):
         assert on_p[n]["latency_s"] < off_p[n]["latency_s"]
         assert on_p[n]["latency_s"] >= on_p["unlimited"]["latency_s"]
         # the same placement: FP8 changes what a read costs, not which blocks are read
@@ -259,7 +259,7 @@ def test_score_teacher_forces_like_greedy_decoding(tiny):
     next ones it chose; bad token shapes and too many steps are refused up front."""
     model, params = tiny
     cfg = CacheConfig.for_model(model.config, batch=2, max_len=96, block_size=8, hbm_fraction=0.25)
-    dec = Decoder(model, cfg, PlacementConfig(policy="lru", window=3), max_new_tokens=12)
+    dec = Decoder(model, cfg, PlacementConfig(policy="lru-plan", window=3), max_new_tokens=12)
     prompts = jax.random.randint(jax.random.key(3), (2, 40), 0, 256).astype(jnp.int32)
     toks = np.asarray(dec.generate(params, dec.prefill(params, prompts)).tokens)
     state = dec.prefill(params, prompts)

@@ -327,7 +327,7 @@ def test_gh200_spec_compiles():
 
 LAYERS = 2
 CONTEXTS = (256, 1024)
-POLICIES = ("static", "lru", "anneal", "anneal+reuse+follow", "lrfu")
+POLICIES = ("static", "lru-plan", "anneal", "anneal+reuse+follow", "lrfu")
 MODES = ("exact", "sparse")
 
 
@@ -399,7 +399,7 @@ def test_fp8_step_must_hold_and_reads_fp8_over_the_link(bench, mode, fp8):
     rows = {}
     for ctx in CONTEXTS:
         res = bench.compile_cases(
-            LAYERS, ctx, 1, mode, "lru", shape=bench.SMALL, target="h200", what=["step"],
+            LAYERS, ctx, 1, mode, "lru-plan", shape=bench.SMALL, target="h200", what=["step"],
             fp8=fp8[0], fp8_age=fp8[1],
         )  # fmt: skip
         rows[ctx] = {"step": _with_program(*res["step"])}
@@ -481,7 +481,7 @@ def test_migrate_and_compact_must_hold(bench, fn):
 
 
 @needs_plugin
-@pytest.mark.parametrize("policy", ["static", "lru"])
+@pytest.mark.parametrize("policy", ["static", "lru-plan"])
 def test_window_step_of_a_heuristic_policy_must_hold(bench, policy):
     """The step that ends a window (plan, bulk migration) is branch- and loop-free too when the
     policy is (static, LRU); the annealer's plan loops until it converges, which gpu_ops.py

@@ -117,7 +117,7 @@ def test_ctrl_c_ends_jaxkv_simulate_the_same_way():
     """`jaxkv simulate` goes through the same entry point: interrupted once its progress bar
     is drawn, it exits 130 with the line on its own line, no traceback."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    argv = ["simulate", "--trace", "synthetic:patterns", "--policies", "static,lru"]
+    argv = ["simulate", "--trace", "synthetic:patterns", "--policies", "static,lru-plan"]
     p = subprocess.Popen(
         [sys.executable, "-c", SIGINT_HANDLER + CLI, *argv],
         cwd=ROOT,

@@ -95,15 +95,25 @@ def test_no_import_cycles():
 
 
 def test_the_runtime_imports_nothing_of_the_research_side():
-    """No module of jaxkv outside jaxkv.sim imports jaxkv.sim, even inside a function. (The
-    oracle presets are loaded by name, on demand, when a simulator asks for one:
-    `jaxkv.placement.presets.resolve`.)"""
+    """No module of jaxkv outside jaxkv.sim imports jaxkv.sim, even inside a function, nor names
+    it to importlib or __import__ (the simulator's oracles register themselves from jaxkv.sim,
+    `jaxkv.placement.registry`). The `jaxkv` command's entry point (jaxkv/cli.py) may: it
+    loads the simulate subcommand by name."""
     bad = {
         m: sorted(t for t in ts if t.startswith("jaxkv.sim"))
         for m, ts in _graph().items()
         if m.startswith("jaxkv") and not m.startswith("jaxkv.sim")
     }
     assert {m: ts for m, ts in bad.items() if ts} == {}
+    named = []
+    for name, path in _modules().items():
+        if not name.startswith("jaxkv") or name.startswith("jaxkv.sim") or name == "jaxkv.cli":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                args = [a.value for a in node.args if isinstance(a, ast.Constant)]
+                named += [f"{name}: {a}" for a in args if str(a).startswith("jaxkv.sim")]
+    assert named == []
 
 
 def test_the_library_imports_nothing_of_models():
@@ -185,9 +195,12 @@ import jaxkv
 import jaxkv.decode.decoder, jaxkv.cache, jaxkv.attention, jaxkv.decode.sharded
 import jaxkv.placement.presets as pr
 from jaxkv.cost import CostModel
-names = ("static", "lru", "lrfu", "anneal", "anneal+reuse", "anneal+reuse+follow", "anneal+aw+ec")
+import jaxkv.placement.registry as reg
+names = ("static", "lru-plan", "lrfu", "anneal", "anneal+reuse", "anneal+reuse+follow", "anneal+aw+ec")
+names += ("lru", "arc", "slru", "lfu", "tinylfu")
 for name in names:
     pr.resolve(name, CostModel())
+reg.describe()
 bad = sorted(m for m in sys.modules if m.split(".")[0] in ("scipy", "optax")
              or m.startswith("jaxkv.sim") or m.split(".")[0] == "models")
 print(bad)

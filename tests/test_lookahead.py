@@ -16,7 +16,7 @@ from jaxkv import Decoder, FunctionalModel
 from jaxkv.config import CacheConfig, PlacementConfig
 from jaxkv.model_api import bind, check_model
 from jaxkv.placement import policies as pol
-from jaxkv.placement import presets
+from jaxkv.placement import presets, registry
 from jaxkv.sim import loop
 
 STEPS = 16
@@ -100,7 +100,7 @@ def test_the_knob_and_a_model_without_first_query(tiny):
 
     env = CostModel(block_bytes=1024.0)
     assert presets.resolve("lrfu", env, lookahead=True) == pol.Lrfu(lookahead=True)
-    assert "lookahead" in presets.LRFU_KNOBS
+    assert "lookahead" in registry.entry("lrfu").knob_defaults()
     with pytest.raises(ValueError, match=r"Lrfu lookahead must be a bool, got 1"):
         pol.Lrfu(lookahead=1)
     model, params = tiny

@@ -16,7 +16,7 @@ from jaxkv.sim.lp import lagrangian as lpl
 
 TOL = 1e-6
 FAST = AnnealConfig(chains=4, max_iters=100)
-NAMES = ["static", "lru", "page", "paper-sa", "anneal", "anneal-oracle", "anneal-oracle+dual"]
+NAMES = ["static", "lru-plan", "page", "paper-sa", "anneal", "anneal-oracle", "anneal-oracle+dual"]
 SMALL = cost.Geometry("small", 2, 1, 8, 2, 64.0, 0.0)  # 32 bytes per token-layer
 MID = cost.Geometry("mid", 2, 1, 8, 2, 4096.0, 0.0)  # weights dominate the steps that read few
 GEOMETRIES = {"small": SMALL, "mid": MID, "paper": cost.get_geometry("paper")}
@@ -174,7 +174,7 @@ def test_brute_force_is_the_simulators_optimum():
         trace = block_trace(case["reads"], case["prompt_len"], case["block_size"])
         res = sim.simulate(
             trace,
-            ["static", "lru", "paper-sa", "anneal-oracle"],
+            ["static", "lru-plan", "paper-sa", "anneal-oracle"],
             profile=HardwareProfile("t", case["hbm_bw"], case["link_bw"], 1e9),
             geometry=cost.Geometry("t", 1, 1, 1, 1, case["weight_bytes"], 0.0),
             sparsity=0.0,

@@ -85,11 +85,11 @@ def test_lrfu_preset():
     p = presets.resolve("lrfu", env)
     assert isinstance(p, pol.Lrfu) and p.name == "lrfu" and p.follow == pol.Follow("value")
     assert presets.is_online("lrfu") and "lrfu" in presets.names(online_only=True)
-    assert p.plans is False and pol.Static().plans is False and pol.Reactive().plans is True
+    assert p.plans is False and pol.Static().plans is False and pol.LruPlan().plans is True
     presets.check_policy(p)
     with pytest.raises(ValueError, match="Lrfu follow must be Follow\\('value'\\)"):
         pol.Lrfu(follow=pol.Follow("read"))
-    with pytest.raises(ValueError, match="knob overrides"):
+    with pytest.raises(ValueError, match="are not knobs of 'lrfu'; expected some of"):
         presets.resolve("lrfu", env, budget=4)
     with pytest.raises(ValueError, match="modifiers"):
         presets.split_name("lrfu+follow")
@@ -110,7 +110,7 @@ def test_lrfu_in_the_decode_loop(tiny):
     cfg = CacheConfig.for_model(model.config, batch=2, max_len=96, block_size=8, hbm_fraction=0.25)
     prompts = np.asarray(np.random.default_rng(7).integers(0, 256, (2, 45)), np.int32)
     runs = {}
-    for name in ("static", "lru", "lrfu"):
+    for name in ("static", "lru-plan", "lrfu"):
         p = PlacementConfig(policy=name, window=3, attention="sparse", topk=3, max_moves=4)
         dec = Decoder(model, cfg, p, max_new_tokens=16, profile=slow)
         state = dec.prefill(params, prompts, (45, 30))
@@ -133,11 +133,11 @@ def test_lrfu_in_the_decode_loop(tiny):
             state = dec.generate(params, state)
         runs[name] = state
     static_tokens = np.asarray(runs["static"].tokens)
-    for name in ("lru", "lrfu"):
+    for name in ("lru-plan", "lrfu"):
         np.testing.assert_array_equal(np.asarray(runs[name].tokens), static_tokens)
     got = {n: summarize(s)["modeled_seconds"] for n, s in runs.items()}
     assert summarize(runs["lrfu"])["migrated_blocks"] > 0
-    assert got["lrfu"] < min(got["static"], got["lru"])
+    assert got["lrfu"] < min(got["static"], got["lru-plan"])
 
 
 def test_lrfu_in_the_trace_simulator():
@@ -152,7 +152,7 @@ def test_lrfu_in_the_trace_simulator():
     prof = HardwareProfile("t", 10.0, 1.0, 1e9)  # bytes per second: HBM 10, link 1
     geo = cost.Geometry("t", 1, 1, 1, 2, 10.0, 0.0)  # 4 bytes per token-layer
     kw = dict(profile=prof, geometry=geo, sparsity=0.5, capacity_blocks=3, chunk=8, steps=16)
-    res = sim.simulate(trace, ["static", "lru", "lrfu"], progress=False, time_plans=False, **kw)
+    res = sim.simulate(trace, ["static", "lru-plan", "lrfu"], progress=False, time_plans=False, **kw)
     got = res["policies"]
     assert got["lrfu"]["hbm_hit_rate"] > got["static"]["hbm_hit_rate"]
     assert got["lrfu"]["migrated_bytes"] > 0 and got["lrfu"]["follow_admit"] == "value"

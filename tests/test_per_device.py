@@ -20,7 +20,7 @@ SLOW = dataclasses.replace(GH200, name="slow-link", link_bandwidth=GH200.link_ba
 def _decoder(tiny, **kw):
     model, _ = tiny
     cfg = CacheConfig.for_model(model.config, batch=2, max_len=64, block_size=8, hbm_fraction=0.25)
-    p = PlacementConfig(policy="lru", window=2, attention="sparse", topk=3)
+    p = PlacementConfig(policy="lru-plan", window=2, attention="sparse", topk=3)
     return Decoder(model, cfg, p, max_new_tokens=4, **kw)
 
 

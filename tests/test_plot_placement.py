@@ -92,5 +92,5 @@ def test_end_to_end_writes_the_figure(tmp_path):
     md = pp.main([str(a), "--policies", "anneal,page", "--out", str(out)])
     assert out.stat().st_size > 10_000
     assert md.splitlines()[0] == "| trace | block | s | anneal | page | bound |"
-    with pytest.raises(ValueError, match=r"--policies \['lru'\] not in the files"):
-        pp.main([str(a), "--policies", "lru", "--out", str(out)])
+    with pytest.raises(ValueError, match=r"--policies \['lru-plan'\] not in the files"):
+        pp.main([str(a), "--policies", "lru-plan", "--out", str(out)])

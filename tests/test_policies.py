@@ -76,7 +76,8 @@ def terminal_value(pol, obs, env=ENV):
 
 ALL = {
     "static": P.Static(),
-    "lru": P.Reactive(),
+    "lru-plan": P.LruPlan(),
+    **{f().name: f() for f in P.FIELD_RULES},
     "page": O.Page(page_blocks=2),
     "paper-sa": O.PaperSA(lookahead=H),
     "anneal": anneal(window=H),
@@ -129,7 +130,7 @@ def test_plan_is_jittable_within_capacity_and_valid(name):
 
 
 RESOLVED = (
-    "static lru anneal anneal+reuse anneal+reuse+follow anneal+aw+ec anneal-oracle "
+    "static lru-plan anneal anneal+reuse anneal+reuse+follow anneal+aw+ec anneal-oracle "
     "anneal-oracle+dual anneal-oracle+visits page paper-sa paper-sa[10,0.5] anneal+reuse+now"
 ).split()
 
@@ -145,8 +146,8 @@ def test_resolve_builds_every_preset_with_the_protocol_attributes(name):
     assert pol.needs_forecast == (oracle or "now" in mods)
     assert pol.needs_forecast == (not presets.is_online(name))
     assert pol.needs_values == ("dual" in mods)
-    assert isinstance(pol.follow, P.Follow) == ("follow" in mods)
-    assert pol.follow is None or pol.follow.admit == P.FOLLOW_ADMITS_DEFAULT
+    assert isinstance(pol.rule, P.Follow) == ("follow" in mods)
+    assert pol.rule is None or pol.rule.admit == P.FOLLOW_ADMITS_DEFAULT
     assert pol.budget is None
     assert pol.adapts_window == ("aw" in mods)
     w = int(pol.next_window(pol.init(L, N)))
@@ -348,7 +349,7 @@ def test_adaptive_window_moves_by_step_within_bounds():
         ("interval", -1, "Anneal interval=-1: expected an integer >= 0"),
         ("discount", float("nan"), "Anneal discount=nan: expected a finite number in (0, 1]"),
         ("demote_cost", -1.0, "CostModel demote_cost=-1.0: expected a finite number >= 0"),
-        ("forecast", "x", f"Anneal forecast must be one of {presets.FORECASTS}, got 'x'"),
+        ("forecast", "x", f"Anneal forecast must be one of {tuple(presets.FORECASTS)}, got 'x'"),
         ("forecast", "learned", "Anneal forecast='learned' needs learned=(w_0, ..., w_5, b)"),
         ("ride", 1.5, "Ride share=1.5: expected a finite number in [0, 1]"),
         ("link_reserve", 1.0, "LinkReserve share=1.0: expected a finite number in [0, 1)"),
@@ -371,8 +372,8 @@ def test_oracle_without_forecast_is_rejected():
 
 
 def test_unknown_policy_lists_names():
-    with pytest.raises(ValueError, match=r"unknown policy 'belady'.*anneal-oracle.*paper-sa"):
-        presets.resolve("belady", ENV)
+    with pytest.raises(ValueError, match=r"unknown policy 'fifo'.*anneal-oracle.*paper-sa"):
+        presets.resolve("fifo", ENV)
 
 
 def test_reuse_needs_the_reuse_counts():
@@ -570,8 +571,8 @@ def test_now_with_an_exclusive_cache_promotes_what_it_reads_again():
 
 def test_split_name_and_modifier_knobs():
     assert presets.split_name("anneal+reuse+now") == ("anneal", ("reuse", "now"))
-    assert presets.split_name("lru") == ("lru", ())
-    knobs = {**presets.MODIFIERS["reuse"][1], **presets.MODIFIERS["now"][1]}
+    assert presets.split_name("lru-plan") == ("lru-plan", ())
+    knobs = {**presets.MODIFIERS["reuse"].knobs, **presets.MODIFIERS["now"].knobs}
     for pol in (presets.anneal_policy(**knobs), presets.resolve("anneal+reuse+now", ENV)):
         assert pol.forecast == Now(Reuse())
         assert pol.terms == (
@@ -580,9 +581,9 @@ def test_split_name_and_modifier_knobs():
             pr.Spread(presets.NOW_SPREAD),
         )  # no reserve
         assert pol.adaptive is None and pol.compensate is None and pol.follow is None
-    assert presets.MODIFIERS["dual"][1]["dual"]
+    assert O.ORACLE_MODIFIERS["dual"].knobs["dual"]
     assert O.Dual() in presets.resolve("anneal-oracle+dual", ENV).values
-    assert presets.MODIFIERS["aw"][1]["adaptive"] and presets.MODIFIERS["ec"][1]["compensate"]
+    assert presets.MODIFIERS["aw"].knobs["adaptive"] and presets.MODIFIERS["ec"].knobs["compensate"]
     aw = presets.resolve("anneal+aw+ec", ENV)
     assert aw.adaptive == pr.AdaptiveWindow(25, 100, 10) and aw.compensate == pr.Compensate()
     with pytest.raises(ValueError, match=r"unknown policy 'fifo\+now'; expected one of"):
@@ -615,21 +616,20 @@ def test_top_capacity_breaks_ties_by_index():
 
 
 def test_oracle_knob_defaults_are_the_parts_defaults():
-    """presets restates the oracle parts' defaults (it must not import jaxkv.sim): they agree."""
+    """The simulator adds its parts' knobs to anneal's (the runtime never imports it), their
+    defaults read from the parts themselves."""
     b, ov = O.BeladyTail(), O.Overflow()
-    k = presets.KNOBS
+    k = presets.all_knobs()
     assert (k["tail_value"], k["tail_decay"]) == (b.value, b.decay)
-    assert (k["overflow_value"], k["tail_decay"], k["overflow_link_ratio"]) == (
-        ov.value,
-        ov.decay,
-        ov.link_ratio,
-    )
+    assert (k["overflow_value"], k["overflow_link_ratio"]) == (ov.value, ov.link_ratio)
+    assert ov.decay == b.decay  # one tail_decay knob serves both
+    assert set(O.ORACLE_KNOBS) <= set(k) and not set(O.ORACLE_KNOBS) & set(presets.KNOBS)
 
 
 def test_policy_lists_split_at_top_level_commas_only():
     from jaxkv.placement.presets import split_policies
 
-    assert split_policies("static, paper-sa[10,0.5],lru,") == ["static", "paper-sa[10,0.5]", "lru"]
+    assert split_policies("static, paper-sa[10,0.5],lru-plan,") == ["static", "paper-sa[10,0.5]", "lru-plan"]
     assert split_policies("paper-sa[2,0.5],paper-sa[50,0.25]") == [
         "paper-sa[2,0.5]",
         "paper-sa[50,0.25]",

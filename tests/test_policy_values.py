@@ -22,7 +22,7 @@ MINE = policies.Anneal(
     follow=policies.Follow("ranked"),
     window=4,
 )
-MY_LRU = policies.Reactive(name="my-lru")  # cheap to compile: the tests below run several
+MY_LRU = policies.LruPlan(name="my-lru")  # cheap to compile: the tests below run several
 TRACE = tr.SyntheticTrace("recency-low", 40, 16, 2, 4, seed=3)
 PROF = HardwareProfile.preset("h200-pcie")
 
@@ -36,9 +36,9 @@ def run(policies_, **kw):
 
 
 def test_simulate_runs_a_policy_object_beside_names():
-    out = run(["static", MY_LRU, "lru", "unlimited"])
-    assert list(out) == ["static", "my-lru", "lru", "unlimited"]
-    assert out["my-lru"]["latency_s"] == out["lru"]["latency_s"]
+    out = run(["static", MY_LRU, "lru-plan", "unlimited"])
+    assert list(out) == ["static", "my-lru", "lru-plan", "unlimited"]
+    assert out["my-lru"]["latency_s"] == out["lru-plan"]["latency_s"]
 
 
 @pytest.mark.slow  # three anneal policies compiled (the README's composed example runs one)
@@ -166,7 +166,7 @@ ARGS += ["--layers", "2", "--block-size", "4", "--hbm-fraction", "0.25", "--no-p
 
 POLICY_FILE = """
 from jaxkv.placement import policies
-mine = policies.Reactive(name="mine")
+mine = policies.LruPlan(name="mine")
 not_a_policy = 3
 """
 

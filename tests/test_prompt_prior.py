@@ -186,10 +186,10 @@ def test_lrfu_prompt_prior_knob():
     env = CostModel(block_bytes=1024.0)
     assert presets.resolve("lrfu", env).prompt_prior is True
     assert presets.resolve("lrfu", env, prompt_prior=False) == pol.Lrfu(prompt_prior=False)
-    assert pol.Static().prompt_prior is False and pol.Reactive().prompt_prior is False
+    assert pol.Static().prompt_prior is False and pol.LruPlan().prompt_prior is False
     with pytest.raises(ValueError, match="Lrfu prompt_prior must be a bool, got 'no'"):
         pol.Lrfu(prompt_prior="no")
-    with pytest.raises(ValueError, match="knob overrides"):
+    with pytest.raises(ValueError, match="are not knobs of 'lrfu'; expected some of"):
         presets.resolve("lrfu", env, budget=4)
 
 

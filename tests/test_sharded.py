@@ -30,17 +30,17 @@ def _worker(*args, timeout=600):
 
 @pytest.fixture(scope="module")
 def exact_lru():
-    return _worker("mesh", "--policy", "lru", "--attention", "exact")
+    return _worker("mesh", "--policy", "lru-plan", "--attention", "exact")
 
 
 @pytest.fixture(scope="module")
 def sparse_fp8():
-    return _worker("mesh", "--policy", "lru", "--attention", "sparse", "--fp8", "host")
+    return _worker("mesh", "--policy", "lru-plan", "--attention", "sparse", "--fp8", "host")
 
 
 @pytest.fixture(scope="module")
 def exact_age():
-    return _worker("mesh", "--policy", "lru", "--fp8", "age", "--fp8-age", "16")
+    return _worker("mesh", "--policy", "lru-plan", "--fp8", "age", "--fp8-age", "16")
 
 
 def test_sharded_exact_decoding_gives_one_devices_tokens(exact_lru, exact_age):
@@ -118,7 +118,7 @@ def test_each_device_prices_its_own_link():
     both read the same host bytes; the slow devices' modeled steps are never faster and are
     slower wherever a step reads host blocks."""
     gbps = ",".join("55" if d % 2 == 0 else "5.5" for d in range(8))
-    r = _worker("mesh", "--policy", "lru", "--attention", "exact", "--link-gbps", gbps)
+    r = _worker("mesh", "--policy", "lru-plan", "--attention", "exact", "--link-gbps", gbps)
     lat, host = np.asarray(r["latency"]), np.asarray(r["host_bytes"])
     assert r["tokens"] == r["reference"]
     for row in range(4):
@@ -134,7 +134,7 @@ def test_a_shared_link_carries_the_groups_bytes(exact_lru):
     """shared_link="model": the two model shards of a data row read over one link, so each
     one's modeled step is never faster than with a link of its own, and slower wherever the
     step reads host blocks (exact LRU: the same reads, so the same host bytes either way)."""
-    r = _worker("mesh", "--policy", "lru", "--attention", "exact", "--shared-link", "model")
+    r = _worker("mesh", "--policy", "lru-plan", "--attention", "exact", "--shared-link", "model")
     own, shared = np.asarray(exact_lru["latency"]), np.asarray(r["latency"])
     np.testing.assert_array_equal(np.asarray(r["host_bytes"]), np.asarray(exact_lru["host_bytes"]))
     assert r["tokens"] == r["reference"]
@@ -203,7 +203,7 @@ def test_one_device_mesh_in_process(tiny):
 
     model, params = tiny
     cfg = CacheConfig.for_model(model.config, batch=2, max_len=64, block_size=8, hbm_fraction=0.5)
-    pl = PlacementConfig(policy="lru", window=3)
+    pl = PlacementConfig(policy="lru-plan", window=3)
     prompts = np.asarray(jax.random.randint(jax.random.key(1), (2, 20), 0, 256), np.int32)
     one = Decoder(model, cfg, pl, max_new_tokens=8)
     ref = np.asarray(one.generate(params, one.prefill(params, prompts)).tokens)

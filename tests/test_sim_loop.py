@@ -53,8 +53,12 @@ def static_wt(tiny):
     "policy,host_tier",
     [
         ("static", WT),
+        ("lru-plan", WT),
+        pytest.param("lru-plan", EX, marks=pytest.mark.slow),
+        # the field's rules in the step: the decoder runs the simulators' admission function
         ("lru", WT),
-        pytest.param("lru", EX, marks=pytest.mark.slow),
+        ("tinylfu", EX),
+        *(pytest.param(p, WT, marks=pytest.mark.slow) for p in ("arc", "slru", "lfu")),
         ("lrfu", WT),
         # the default suite holds the live policy's write-through case; these run in make test-slow
         pytest.param("lrfu", EX, marks=pytest.mark.slow),
@@ -88,7 +92,7 @@ def test_replay_equals_the_decode_loop(tiny, static_wt, policy, host_tier):
 
 @pytest.mark.slow  # default suite: about 10 s (CI runs make test-slow)
 def test_exact_attention_replays_too(tiny):
-    dec, rec, state = _record(tiny, "lru", EX, attention="exact", window=2)
+    dec, rec, state = _record(tiny, "lru-plan", EX, attention="exact", window=2)
     assert rec.reads[:, :, 0, : 45 // 8 + 1].all()  # every block read
     _assert_same(rec.decoded, loop.replay(loop.LoopSetup.of(dec), rec).metrics)
 
@@ -99,7 +103,7 @@ def test_bounds_hold_for_every_policy(tiny, static_wt):
     b = loop.bounds(loop.LoopSetup.of(dec), rec)
     assert b["unlimited"] <= b["capacity"] <= b["best"] and b["unlimited"] <= b["cache"]
     assert b["cache"] <= b["best"]
-    for policy in ("static", "lru", "lrfu"):
+    for policy in ("static", "lru-plan", "lrfu"):
         setup = loop.LoopSetup.of(_decoder(tiny[0], policy, WT))
         seconds = loop.replay(setup, rec).summary()["modeled_seconds"]
         assert b["best"] <= seconds * (1 + 1e-6), policy
@@ -136,7 +140,7 @@ def test_the_bounds_start_from_the_best_prefill_placement(tiny, static_wt):
 
 def test_record_refuses_steps_past_the_token_buffer(tiny, static_wt):
     model, params = tiny
-    dec = _decoder(model, "lru", WT)
+    dec = _decoder(model, "lru-plan", WT)
     prompts = jnp.zeros((2, 45), jnp.int32)
     state = dec.prefill(params, prompts, (45, 30))
     with pytest.raises(ValueError, match=r"record: 30 steps .* steps <= 23"):
@@ -148,7 +152,7 @@ def test_record_refuses_steps_past_the_token_buffer(tiny, static_wt):
 def test_replay_refuses_another_geometry(tiny, static_wt):
     model, _ = tiny
     cfg = CacheConfig.for_model(model.config, batch=1, max_len=96, block_size=8, hbm_fraction=0.25)
-    dec = Decoder(model, cfg, PlacementConfig(policy="lru"), max_new_tokens=24)
+    dec = Decoder(model, cfg, PlacementConfig(policy="lru-plan"), max_new_tokens=24)
     with pytest.raises(ValueError, match=r"expected \[steps, 2, 1, 12\]"):
         loop.replay(loop.LoopSetup.of(dec), static_wt[1])
 
@@ -158,7 +162,7 @@ def test_bounds_refuse_fp8(tiny, static_wt):
     cfg = CacheConfig.for_model(
         model.config, batch=2, max_len=96, block_size=8, hbm_fraction=0.25, fp8="host"
     )
-    dec = Decoder(model, cfg, PlacementConfig(policy="lru"), max_new_tokens=24)
+    dec = Decoder(model, cfg, PlacementConfig(policy="lru-plan"), max_new_tokens=24)
     with pytest.raises(ValueError, match="fp8='host': expected fp8='off'"):
         loop.bounds(loop.LoopSetup.of(dec), static_wt[1])
 
@@ -173,7 +177,7 @@ def test_a_trace_replays_in_the_loops_accounting():
 
     tr = SyntheticTrace("patterns", prompt_len=640, steps=24, num_layers=2, block_size=16)
     kw = dict(hbm_blocks=8, steps=24, window=4, profile="h200-pcie", geometry=GEOMETRIES["paper"])
-    setups = {p: loop_trace.trace_setup(tr, p, **kw) for p in ("static", "lru", "anneal")}
+    setups = {p: loop_trace.trace_setup(tr, p, **kw) for p in ("static", "lru-plan", "anneal")}
     rec = loop_trace.trace_record(tr, setups["static"], 0.8)
     assert rec.reads.shape == (24, 2, 1, 42)
     want = np.ceil(0.2 * ((640 + np.arange(24)) // 16)) + 1  # top 20% of the sealed, the tail
@@ -186,11 +190,11 @@ def test_a_trace_replays_in_the_loops_accounting():
     b = loop.bounds(setups["static"], rec)
     for p, r in got.items():
         assert b["best"] <= r.summary()["modeled_seconds"] * (1 + 1e-6), p
-    assert got["lru"].summary()["migrated_blocks"] > 0 and got["anneal"].plans == 6
+    assert got["lru-plan"].summary()["migrated_blocks"] > 0 and got["anneal"].plans == 6
     with pytest.raises(ValueError, match="stores no geometry: pass geometry="):
-        loop_trace.trace_setup(tr, "lru", hbm_blocks=8, steps=24)
+        loop_trace.trace_setup(tr, "lru-plan", hbm_blocks=8, steps=24)
     with pytest.raises(ValueError, match="steps=25: expected at most the trace's 24"):
-        loop_trace.trace_setup(tr, "lru", **(kw | {"steps": 25}))
+        loop_trace.trace_setup(tr, "lru-plan", **(kw | {"steps": 25}))
 
 
 def test_replay_under_another_window_and_an_oracle(tiny, static_wt):
@@ -200,7 +204,7 @@ def test_replay_under_another_window_and_an_oracle(tiny, static_wt):
     from jaxkv.placement import presets
 
     dec, rec, _ = static_wt
-    lru2 = _decoder(tiny[0], "lru", WT, window=2)
+    lru2 = _decoder(tiny[0], "lru-plan", WT, window=2)
     assert loop.replay(loop.LoopSetup.of(lru2), rec).plans == STEPS // 2
     oracle = presets.resolve("anneal-oracle", dec.env, presets.Settings(window=2))
     got = loop.replay(loop.LoopSetup.of(lru2, policy=oracle), rec)
@@ -215,8 +219,29 @@ def test_record_refuses_a_decoder_that_collects_no_mass(tiny):
     if model.config.head_dim % 16:
         pytest.skip("the kernel's geometry needs head_dim a multiple of 16")
     cfg = CacheConfig.for_model(model.config, batch=1, max_len=64, block_size=16, hbm_fraction=0.5)
-    dec = Decoder(model, cfg, PlacementConfig(policy="lru"), max_new_tokens=8, impl="pallas")
+    dec = Decoder(model, cfg, PlacementConfig(policy="lru-plan"), max_new_tokens=8, impl="pallas")
     assert not dec.collects_mass
-    assert _decoder(model, "lru", WT).collects_mass
+    assert _decoder(model, "lru-plan", WT).collects_mass
     with pytest.raises(ValueError, match="impl 'pallas' is the Pallas kernel, which collects no"):
         loop.record(dec, params, None, 4)
+
+
+def test_belady_is_the_fewest_crossings_priced_and_the_limit_of_every_rule(tiny, static_wt):
+    """Belady's MIN with bypass replayed from the best prefill placement (`loop.limit`) makes
+    exactly the fewest host reads `bounds` counts, its modeled time is at or above the best
+    bound, and no in-step rule of the same pool reads fewer blocks from host; one pool for all
+    layers reads still fewer."""
+    dec, rec, _ = static_wt
+    setup = loop.LoopSetup.of(dec)
+    got = loop.limit(setup, rec)
+    b = loop.bounds(setup, rec)
+    _, sealed, placed = loop._sealed_reads(dec.cache_config, rec)
+    tails = int(np.sum(np.asarray(rec.reads))) - int(placed.sum())
+    host = int(np.sum(got.metrics.reads)) - int(np.sum(got.metrics.hbm_reads))
+    assert host == sum(b["crossings"]) and tails >= 0
+    assert b["best"] <= got.summary()["modeled_seconds"] * (1 + 1e-6)
+    for policy in ("lru", "lfu", "lrfu"):
+        other = loop.replay(loop.LoopSetup.of(_decoder(tiny[0], policy, WT)), rec)
+        assert int(np.sum(other.metrics.reads - other.metrics.hbm_reads)) >= host, policy
+    shared = loop.limit(setup, rec, shared=True)
+    assert int(np.sum(shared.metrics.reads - shared.metrics.hbm_reads)) <= host

@@ -48,7 +48,7 @@ def run(names, trace=None, **kw):
 
 
 def test_hand_computed_static_lru_and_unlimited():
-    out = run(["static", "lru", "unlimited"])
+    out = run(["static", "lru-plan", "unlimited"])
     # static: block 0 in HBM, reads 1, 2 from host each step: HBM (tail 4 + weights 10 + write 4)
     # / 10 = 1.8 s vs link 8 / 1 = 8 s, twice.
     assert out["static"]["latency_s"] == pytest.approx(16.0)
@@ -58,29 +58,29 @@ def test_hand_computed_static_lru_and_unlimited():
     # again: it is read at step 1, so the promotion rides on that read (a host read, no separate
     # link transfer) plus an HBM write: HBM (4 + 10 + 4 + 4) / 10 = 2.2, link 8 -> 8 s.
     # No gain on this two-step trace (the promotion would pay off at a third step).
-    assert out["lru"]["latency_s"] == pytest.approx(16.0)
-    assert out["lru"]["hbm_hit_rate"] == 0.0
-    assert out["lru"]["migrated_bytes"] == pytest.approx(8.0)
+    assert out["lru-plan"]["latency_s"] == pytest.approx(16.0)
+    assert out["lru-plan"]["hbm_hit_rate"] == 0.0
+    assert out["lru-plan"]["migrated_bytes"] == pytest.approx(8.0)
     # unlimited: reads 8 + tail 4, fixed 14: (12 + 14) / 11 per step
     assert out["unlimited"]["latency_s"] == pytest.approx(2 * 26 / 11, rel=1e-6)
     assert out["static"]["speedup_vs_static"] == 1.0
-    assert out["lru"]["vs_unlimited"] == pytest.approx(16.0 / (52 / 11), rel=1e-6)
+    assert out["lru-plan"]["vs_unlimited"] == pytest.approx(16.0 / (52 / 11), rel=1e-6)
 
 
 def test_hand_computed_keep_fetched():
-    out = run(["lru"], keep_fetched=True)
+    out = run(["lru-plan"], keep_fetched=True)
     # step 1 promotes block 1, read from host at step 0: with the fetched copy kept, only the
     # HBM write, and its read at step 1 is an HBM read: HBM (4 + 4 + 10 + 4 + 4) / 10 = 2.6,
     # link (block 2) 4 -> 4 s; step 0 as static, 8 s.
-    assert out["lru"]["latency_s"] == pytest.approx(12.0)
-    assert out["lru"]["hbm_hit_rate"] == pytest.approx(0.25)
+    assert out["lru-plan"]["latency_s"] == pytest.approx(12.0)
+    assert out["lru-plan"]["hbm_hit_rate"] == pytest.approx(0.25)
 
 
 def test_hand_computed_exclusive_demotion_cost():
-    out = run(["lru"], demote_cost=1.0)
+    out = run(["lru-plan"], demote_cost=1.0)
     # the demotion of block 0 now costs 4 bytes on each side: at step 1 HBM (22 + 4) / 10 = 2.6,
     # link 8 (reads of 1, 2) + 4 = 12 s; with step 0's 8 s, 20 s
-    assert out["lru"]["latency_s"] == pytest.approx(20.0)
+    assert out["lru-plan"]["latency_s"] == pytest.approx(20.0)
 
 
 def test_read_mask_takes_top_fraction_of_sealed_blocks():
@@ -95,7 +95,7 @@ def test_read_mask_takes_top_fraction_of_sealed_blocks():
 FAST = AnnealConfig(chains=4, max_iters=100)
 NAMES = [
     "static",
-    "lru",
+    "lru-plan",
     "page",
     "paper-sa",
     "anneal",
@@ -122,7 +122,7 @@ def test_no_policy_beats_unlimited(seed, sparsity, cap):
 
 # one fixed case in the default suite, over a policy of each kind (every policy: the slow
 # property test above, and test_no_policy_beats_unlimited_on_one_case_every_policy)
-ONE_CASE = ["static", "lru", "paper-sa", "anneal", "anneal-oracle+dual", "anneal+reuse+follow"]
+ONE_CASE = ["static", "lru-plan", "paper-sa", "anneal", "anneal-oracle+dual", "anneal+reuse+follow"]
 
 
 def test_no_policy_beats_unlimited_on_one_case():
@@ -176,7 +176,7 @@ def test_cli_json(capsys):
             "--capacity-blocks",
             "8",
             "--policies",
-            "static,lru,unlimited",
+            "static,lru-plan,unlimited",
             "--json",
             "--no-progress",
             "--chunk",
@@ -194,7 +194,7 @@ def test_cli_json(capsys):
         "migrated_bytes",
         "plan_seconds",
     }
-    assert set(out["policies"]) == {"static", "lru", "unlimited"}
+    assert set(out["policies"]) == {"static", "lru-plan", "unlimited"}
     for v in out["policies"].values():
         assert set(v) == keys
 
@@ -253,7 +253,7 @@ def test_cli_unknown_policy_lists_names(capsys):
         [
             "simulate",
             "--policies",
-            "static,belady",
+            "static,fifo",
             "--prompt-len",
             "50",
             "--steps",
@@ -265,7 +265,7 @@ def test_cli_unknown_policy_lists_names(capsys):
     )
     assert rc == 2
     err = capsys.readouterr().err
-    assert "unknown policy 'belady'" in err and "anneal-oracle" in err
+    assert "unknown policy 'fifo'" in err and "anneal-oracle" in err
 
 
 def test_unknown_modifier():
@@ -276,15 +276,15 @@ def test_unknown_modifier():
     ):
         run(["anneal+xx"])
     for bad in ("anneal+dual", "anneal-oracle+visits+dual", "anneal-oracle+aw+dual"):
-        with pytest.raises(ValueError, match=r"\+dual values blocks from the LP dual .* only"):
+        with pytest.raises(ValueError, match=r"\+dual .*anneal-oracle only"):
             run([bad])
-    with pytest.raises(ValueError, match=r"\+reuse refines the online forecast, for anneal only"):
+    with pytest.raises(ValueError, match=r"\+reuse \(the re-read law .*\) applies to anneal only"):
         run(["anneal-oracle+reuse"])
-    with pytest.raises(ValueError, match=r"\+visits cuts the oracle, for anneal-oracle only"):
+    with pytest.raises(ValueError, match=r"\+visits \(.*\) applies to anneal-oracle only, not"):
         run(["anneal+visits"])
-    with pytest.raises(ValueError, match=r"\+now refines the online forecast, for anneal only"):
+    with pytest.raises(ValueError, match=r"\+now \(.*\) applies to anneal only, not 'anneal-o"):
         run(["anneal-oracle+now"])
-    with pytest.raises(ValueError, match=r"\+follow refines the online forecast, for anneal only"):
+    with pytest.raises(ValueError, match=r"\+follow \(.*\) applies to anneal only, not"):
         run(["anneal-oracle+follow"])
     with pytest.raises(ValueError, match=r"choose one"):
         run(["anneal+reuse+now+follow"])
@@ -604,7 +604,7 @@ def test_simulate_follow_admit_and_ride():
 
 def test_modifier_on_wrong_policy():
     with pytest.raises(ValueError, match=r"modifiers \(\+aw\) apply to anneal"):
-        run(["lru+aw"])
+        run(["lru-plan+aw"])
 
 
 def test_bad_sparsity():
@@ -637,14 +637,14 @@ def test_paper_shape_at_60_percent(kind, block_size):
     trace = tr.SyntheticTrace(kind, 31_299, 2_048, 32, block_size)
     res = sim.simulate(
         trace,
-        ["static", "lru", "page", "paper-sa", "unlimited"],
+        ["static", "lru-plan", "page", "paper-sa", "unlimited"],
         profile=HardwareProfile.preset("gh200-paper"),
         geometry=cost.get_geometry("paper"),
         sparsity=0.6,
         chunk=64 if block_size == 1 else 128,
         progress=False,
     )["policies"]
-    lat = [res[n]["latency_s"] for n in ["static", "lru", "page", "paper-sa", "unlimited"]]
+    lat = [res[n]["latency_s"] for n in ["static", "lru-plan", "page", "paper-sa", "unlimited"]]
     assert lat[0] > lat[1] > lat[2] > lat[3] >= lat[4], lat
 
 

@@ -48,15 +48,15 @@ def run(names, trace=None, **kw):
 def test_batch_hand_computed():
     """Three sequences each read blocks 1 and 2 (4 bytes a token-layer each): per step the KV
     bytes are 3x one sequence's, the 10 bytes of weights are read once."""
-    res = run(["static", "lru", "unlimited"], batch=3)
+    res = run(["static", "lru-plan", "unlimited"], batch=3)
     out, b = res["policies"], res["bounds"]
     # static: block 0 in HBM; HBM (tail 12 + weights 10 + write 12) / 10 = 3.4 s, link (2 blocks
     # of 12 bytes) 24 / 1 = 24 s, twice
     assert out["static"]["latency_s"] == pytest.approx(48.0)
     # lru: step 1 promotes block 1 riding on its host read, 12 bytes of HBM write: HBM 4.6 s,
     # link 24 s
-    assert out["lru"]["latency_s"] == pytest.approx(48.0)
-    assert out["lru"]["migrated_bytes"] == pytest.approx(24.0)
+    assert out["lru-plan"]["latency_s"] == pytest.approx(48.0)
+    assert out["lru-plan"]["migrated_bytes"] == pytest.approx(24.0)
     # unlimited: reads 24 + tail 12, fixed 10 + 12: max(22 / 10, 58 / 11) per step
     assert out["unlimited"]["latency_s"] == pytest.approx(2 * 58 / 11, rel=1e-6)
     assert out["static"]["tokens_per_s"] == pytest.approx(2 * 3 / 48.0)  # 2 steps x 3 tokens
@@ -70,7 +70,7 @@ def test_batch_hand_computed():
     assert res["setup"]["batch"] == 3 and res["setup"]["block_bytes"] == 12.0
     # keep_fetched: step 1's promotion is the HBM write alone and block 1's read an HBM read:
     # HBM (12 + 12 + 10 + 12 + 12) / 10 = 5.8 s, link (block 2) 12 s; step 0 24 s
-    kept = run(["lru"], batch=3, keep_fetched=True)["policies"]["lru"]
+    kept = run(["lru-plan"], batch=3, keep_fetched=True)["policies"]["lru-plan"]
     assert kept["latency_s"] == pytest.approx(36.0)
 
 
@@ -83,7 +83,7 @@ def test_batch_hand_computed():
 # the capacity bound and layer 0's crossings did not. Both runs below must still agree.
 BEFORE_BATCHES = {
     "static": [2.3324444597960792e-08, 0.3643410852713178, 0.0, 514481703.9308681],
-    "lru": [3.356444366886535e-08, 0.24031007751937986, 10240.0, 357521194.7019785],
+    "lru-plan": [3.356444366886535e-08, 0.24031007751937986, 10240.0, 357521194.7019785],
     "unlimited": [3.875887832904823e-09, 0.9158878504672897, 0.0, 3096064828.8437386],
     "bounds": [
         3.875887832904823e-09,
@@ -106,7 +106,7 @@ def test_batch_1_gives_the_figures_from_before_batches():
         time_plans=False,
     )
     for batch in ({}, {"batch": 1}):
-        res = sim.simulate(random_block_trace(5), ["static", "lru", "unlimited"], **kw, **batch)
+        res = sim.simulate(random_block_trace(5), ["static", "lru-plan", "unlimited"], **kw, **batch)
         got = {
             n: [v["latency_s"], v["hbm_hit_rate"], v["migrated_bytes"], v["tokens_per_s"]]
             for n, v in res["policies"].items()

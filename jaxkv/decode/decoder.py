@@ -43,6 +43,7 @@ from jaxkv._pytree import replace
 from jaxkv.attention.tiered import resolve_impl, tiered_attention
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.decode import follow as fl
+from jaxkv.decode import window
 from jaxkv.decode.per_device import PerDevice
 from jaxkv.decode.prompt import forward_prompts, queries_needed, start_cache
 from jaxkv.decode.sampling import Greedy, eos_ids, is_eos, next_tokens
@@ -66,13 +67,12 @@ from jaxkv.decode.state import (
     copied_demotions,
     initial_state,
     link_migration_bytes,
-    new_window,
-    next_window,
     record_step,
     step_latency,
 )
 from jaxkv.model_api import bind, check_model, has_first_query
-from jaxkv.placement.observation import layer_windows, observation, placeable
+from jaxkv.placement.admission import rule_budget, rule_state
+from jaxkv.placement.observation import layer_windows, placeable
 from jaxkv.placement.policies import looks_ahead, plans
 
 __all__ = ["PLAN_MODES", "Decoder"]
@@ -221,8 +221,8 @@ class Decoder:
 
     @property
     def follows(self) -> bool:
-        """The policy sets a target between steps that each step's layers follow."""
-        return self.policy.follow is not None
+        """The policy has an in-step rule (`Policy.rule`) that each step's layers run."""
+        return self.policy.rule is not None
 
     @property
     def collects_mass(self) -> bool:
@@ -359,10 +359,12 @@ class Decoder:
         cache, *priors = start_cache(c, pre, self.placement, self.policy, self._layer_windows())
         key, sub = jax.random.split(key)
         first = self.sampler(pre.last_logits, sub)
-        pol = self.policy.init(c.num_layers, c.batch * c.max_blocks)
+        N = c.batch * c.max_blocks
+        pol = self.policy.init(c.num_layers, N)
+        rule = rule_state(self.policy, c.num_layers, N)
         done, w, n = is_eos(first, self.eos_id), self.placement.window, self.max_new_tokens
         bad = jnp.where(jnp.all(jnp.isfinite(pre.last_logits), axis=-1), -1, 0).astype(jnp.int32)
-        args = (w, pol, n, self.ema_decay, bad, *priors, c.hbm_pool_slots, self.lookahead)
+        args = (w, pol, n, self.ema_decay, bad, *priors, c.hbm_pool_slots, self.lookahead, rule)
         return initial_state(cache, first, done, key, *args)
 
     def _active(self, state: DecodeState, sampling=None, lengths=None):
@@ -403,7 +405,8 @@ class Decoder:
         L = c.num_layers
         active = self._active(state)
         due = _window_due(state)
-        logits, cache, reads, fol, staged0 = self._run_layers(params, state, active)
+        logits, cache, reads, fol, staged0, rstate = self._run_layers(params, state, active)
+        state = replace(state, placement=replace(state.placement, rule=rstate))
         sampled = next_tokens(
             self.sampler, self.eos_id, self.max_new_tokens, state.sampling, logits, active
         )
@@ -442,24 +445,24 @@ class Decoder:
 
     def _run_layers(self, params, state: DecodeState, active):
         """The model's layers for one token per sequence: each writes the token, reads its
-        blocks from both tiers and attends (and, for `follow`, gathers its moves).
+        blocks from both tiers and attends (and, with an in-step rule, gathers its moves).
 
         Returns:
-          (logits, cache, the layers' `StepReads`, their `FollowMoves` (None without follow),
+          (logits, cache, the layers' `StepReads`, their `FollowMoves` (None without a rule),
            layer 0's staged host blocks (`jaxkv.decode.follow.keep_first`; None without the
-           lookahead))."""
+           lookahead), the rule's state after every layer)."""
         c, p = self.cache_config, self.placement
         model = bind(self.graphdef, params)
         attn_len = state.cache.lengths + active.astype(jnp.int32)
         scale = 1.0 / float(np.sqrt(self.model_config.head_dim))
         L, B, M = c.num_layers, c.batch, c.max_blocks
-        follow, rule = self.follows, self.policy.follow
-        pstate, stats = state.placement.policy, state.statistics.blocks
+        follow, rule = self.follows, self.policy.rule
+        pstate, stats, step = state.placement.policy, state.statistics.blocks, state.sampling.step
         dt = c.jnp_dtype
         windows = self._layer_windows()
 
         def attend(layer, q, k_new, v_new, carry):
-            cache, reads, fol, staged0 = carry
+            cache, reads, fol, staged0, rstate = carry
             cache = kvc.write_token(cache, layer, k_new.astype(dt), v_new.astype(dt), active)
             out, st, staged = tiered_attention(
                 q,
@@ -474,16 +477,18 @@ class Decoder:
             )
             reads = reads.with_layer(layer, st)
             if follow:
-                fol = fl.follow_layer(
-                    cache, layer, st, staged, pstate, fol, stats, num_blocks=B * M, follow=rule
-                )
+                fol, rstate = fl.follow_layer(
+                    cache, layer, st, staged, pstate, rstate, fol, stats, step,
+                    num_blocks=B * M, rule=rule,
+                )  # fmt: skip
             if staged0 is not None:
                 staged0 = fl.keep_first(staged0, layer, staged)
-            return out.astype(q.dtype), (cache, reads, fol, staged0)
+            return out.astype(q.dtype), (cache, reads, fol, staged0, rstate)
 
-        fol0 = fl.empty_follow_moves(c, p.max_moves) if follow else None
+        fol0 = fl.empty_follow_moves(c, rule_budget(self.policy, p.max_moves)) if follow else None
         first = fl.first_staging(state.cache, p) if self.lookahead else None
-        carry = (state.cache, StepReads.zeros(L, B, M), fol0, first)
+        # the rule's state rides the carry (() for a rule that keeps none: nothing carried)
+        carry = (state.cache, StepReads.zeros(L, B, M), fol0, first, state.placement.rule)
         with jax.named_scope("model"):
             tokens, positions = state.sampling.last, state.cache.lengths
             logits, carry = model.decode_step(tokens, positions, attend, carry)
@@ -529,9 +534,7 @@ class Decoder:
 
     def _plan_impl(self, state: DecodeState):
         """observe -> plan, all layers: (the policy's new state, target [layers, N])."""
-        stats, step = state.statistics.blocks, state.sampling.step
-        obs = observation(state.cache, stats, step, self.cache_config, self.model_config)
-        return self.policy.plan(state.placement.policy, obs, self.env)
+        return window.plan(self, state)
 
     def _window(self, state: DecodeState) -> tuple[DecodeState, jax.Array]:
         """The window boundary: `_plain_window`, per device (`per_device`) the one of the
@@ -542,43 +545,8 @@ class Decoder:
         return jax.lax.switch(self.per_device.choice(), windows, state)
 
     def _plain_window(self, state: DecodeState) -> tuple[DecodeState, jax.Array]:
-        """The window boundary, between steps: observe -> plan (-> migrate -> compact), and
-        the next W (`next_window`).
-
-        Returns:
-          (state, [layers] int32 blocks migrated here)."""
-        c, p = self.cache_config, self.placement
-        cache = state.cache
-        moved = jnp.zeros((c.num_layers,), jnp.int32)
-        policy_state, target = self._plan_impl(state)
-        if not self.follows:  # a follow policy's target is followed by the steps' layers
-            passed = None  # blocks behind every later step's window leave HBM first
-            if self._layer_windows() is not None:
-                passed = cache.sealed.reshape(c.num_layers, -1) & ~self._placeable(cache)
-            moves = kvc.plan_moves(cache, target, p.max_moves, demote_first=passed)
-            cache, moved = kvc.migrate(cache, moves)
-        stats = state.statistics.blocks
-        stats = replace(stats, window_reads=jnp.zeros_like(stats.window_reads))
-        windows = state.metrics.windows + 1
-        if p.compact_every:
-            impl = "pallas" if resolve_impl(self.impl, c) == "pallas" else "xla"
-            cache = jax.lax.cond(
-                windows % p.compact_every == 0,
-                lambda x: kvc.compact(x, impl=impl),
-                lambda x: x,
-                cache,
-            )
-        m = state.metrics
-        metrics = replace(m, migrated_blocks=m.migrated_blocks + moved.sum(), windows=windows)
-        window, hit = next_window(self.policy, p, state.placement, policy_state)
-        state = replace(
-            state,
-            cache=cache,
-            placement=new_window(window.astype(jnp.int32), hit, policy_state),
-            statistics=replace(state.statistics, blocks=stats),
-            metrics=metrics,
-        )
-        return state, moved
+        """The window boundary under this decoder's profile (`jaxkv.decode.window`)."""
+        return window.end_window(self, state)
 
     def _generate_impl(self, params, state: DecodeState, until) -> DecodeState:
         c = self.cache_config
@@ -591,8 +559,4 @@ class Decoder:
 
 
 PLAN_MODES = ("never", "always", "when_due")  # a step's plan: `_step_impl`
-
-
-def _window_due(state: DecodeState):
-    """[] bool: this step ends the window."""
-    return state.placement.since_plan + 1 >= state.placement.window
+_window_due = window.window_due

@@ -1,19 +1,21 @@
-"""The `follow` rule inside a decode step (`jaxkv.Decoder` with a "+follow" policy).
+"""The in-step rule inside a decode step (`jaxkv.Decoder` with a policy that has a `rule`: lrfu,
+the field's rules, "+follow").
 
-A follow policy plans only a target placement, between steps. At every step, inside each
-layer's body, `follow_layer` runs the vector rule `jaxkv.placement.policies.follow_moves`: it
-promotes the host blocks the layer reads that the target marks for HBM, from the copies the read has
-just fetched (no second link read), and demotes, to make room, resident blocks the target leaves
-out. The layers' moves are gathered in per-layer lists, `FollowMoves`, carried through the layer
-scan; after the layers `apply_follow_moves` applies them all in one bulk migration. Without a follow
-policy the scan carries None in their place (`jaxkv.Decoder._run_layers`).
+At every step, inside each layer's body, `follow_layer` runs the policy's rule through
+`jaxkv.placement.admission.admit`, the function the simulators run on masks: it promotes host
+blocks the layer reads, from the copies the read has just fetched (no second link read), and
+demotes, to make room, resident blocks the rule picks. The layers' moves are gathered in
+per-layer lists, `FollowMoves`, carried through the layer scan with the rule's state; after the
+layers `apply_follow_moves` applies them all in one bulk migration. Without a rule the scan
+carries None in their place (`jaxkv.Decoder._run_layers`).
 
 The lookahead (`Lrfu.lookahead`, with a model that gives `first_query`): layer 0's queries depend
 on the token and its position only, so once the step has sampled the next token, `look_ahead`
 selects the blocks layer 0 will read at the next step and re-decides layer 0's moves with them
-added to the value. The scan keeps layer 0's staged host blocks for that (`keep_first`): the
-promotions still come from the copies this step's read fetched, so no link traffic is added.
-The statistics keep the mask (`Statistics.ahead`), which `jaxkv.sim.loop` replays.
+added to the value (lrfu's rule keeps no state, so deciding twice is deciding once). The scan
+keeps layer 0's staged host blocks for that (`keep_first`): the promotions still come from the
+copies this step's read fetched, so no link traffic is added. The statistics keep the mask
+(`Statistics.ahead`), which `jaxkv.sim.loop` replays.
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ from jaxkv.attention.select import select_blocks
 from jaxkv.attention.tiered import AttentionStats, fetch_host_blocks, staging_blocks
 from jaxkv.config import TIER_HBM, CacheConfig
 from jaxkv.model_api import bind
-from jaxkv.placement import statistics as imp
-from jaxkv.placement.policies import follow_moves
+from jaxkv.placement.admission import StepView, admit
 
 
 @pytree_dataclass
@@ -59,47 +60,55 @@ def empty_follow_moves(c: CacheConfig, max_moves: int) -> FollowMoves:
 
 
 def follow_layer(
-    cache, layer, st, staged, pstate, fol: FollowMoves, stats, *, num_blocks, follow, ahead=None
-):
-    """The `follow` rule of one layer (traced `layer`) after its read: the promotions and
-    the demotions that make room for them (`jaxkv.placement.policies.follow_moves`), and the fetched
-    contents of the promoted blocks, written into the per-layer lists `fol`.
+    cache, layer, st, staged, pstate, rstate, fol: FollowMoves, stats, step, *, num_blocks,
+    rule, ahead=None,
+):  # fmt: skip
+    """The policy's in-step rule for one layer (traced `layer`) after its read
+    (`jaxkv.placement.admission.admit`, the function the simulators run): the promotions and
+    the demotions that make room for them, and the fetched contents of the promoted blocks,
+    written into the per-layer lists `fol`.
 
     Args:
       cache: the cache after this layer's token write.
       st, staged: the layer's read statistics and staged host blocks (`tiered_attention` with
         return_staging).
-      pstate: the policy's state (its `target` and `priority`, [layers, N], unless admit is
-        "value").
-      stats: the read statistics before this step (`jaxkv.placement.statistics.Stats`; admit="value"
-        ranks by their read frequency with this step's reads folded in).
+      pstate: the policy's state (e.g. a plan's `target` and `priority`, [layers, N]).
+      rstate: the rule's state (every leaf [layers, ...]; () for a rule that keeps none).
+      stats: the read statistics before this step (`jaxkv.placement.statistics.Stats`).
+      step: [] int32, the decode step.
       num_blocks: N = batch * max_blocks.
-      follow: the policy's `Follow`.
-      ahead: [N] bool, the blocks layer 0 reads at the next step (`look_ahead`), or None."""
+      rule: the policy's `rule`.
+      ahead: [N] bool, the blocks layer 0 reads at the next step (`look_ahead`), or None.
+
+    Returns:
+      (fol, the rule's state with row `layer` updated)."""
     N = num_blocks
     K = fol.promote.shape[1]
     sealed = cache.sealed[layer].reshape(1, N)
-    in_hbm = sealed & (cache.tier[layer].reshape(1, N) == TIER_HBM)
-    reads = (st.read_hbm | st.read_host).reshape(1, N)
-    room = jnp.sum(cache.hbm_free[layer])[None]
-    steady = imp.steady_choice(stats, reads, sealed, layer)  # None but for Lrfu.steady_queries
-    target, priority, value = follow.inputs(
-        pstate, stats.read_ema[layer][None], reads, stats.decay, layer, steady, ahead
+    view = StepView(
+        in_hbm=sealed & (cache.tier[layer].reshape(1, N) == TIER_HBM),
+        valid=sealed,
+        reads=(st.read_hbm | st.read_host).reshape(1, N),
+        room=jnp.sum(cache.hbm_free[layer])[None],
+        step=step,
+        stats=stats,
+        pstate=pstate,
+        layer=layer,
+        ahead=ahead,
     )
-    pro, n_p, dem, n_d = follow_moves(
-        in_hbm, sealed, reads, target, priority, room, K, admit=follow.admit, value=value
-    )
+    adm, rstate = admit(rule, rstate, view, K)
     sk, sv, stable = staged
-    at = jnp.take(stable.reshape(-1), pro[0])  # staging slot of each promoted block
-    return replace(
+    at = jnp.take(stable.reshape(-1), adm.promote[0])  # staging slot of each promoted block
+    fol = replace(
         fol,
-        promote=fol.promote.at[layer].set(pro[0]),
-        num_promote=fol.num_promote.at[layer].set(n_p[0]),
-        demote=fol.demote.at[layer].set(dem[0]),
-        num_demote=fol.num_demote.at[layer].set(n_d[0]),
+        promote=fol.promote.at[layer].set(adm.promote[0]),
+        num_promote=fol.num_promote.at[layer].set(adm.num_promote[0]),
+        demote=fol.demote.at[layer].set(adm.demote[0]),
+        num_demote=fol.num_demote.at[layer].set(adm.num_demote[0]),
         promoted_k=fol.promoted_k.at[layer].set(sk[at].astype(fol.promoted_k.dtype)),
         promoted_v=fol.promoted_v.at[layer].set(sv[at].astype(fol.promoted_v.dtype)),
     )
+    return fol, rstate
 
 
 def apply_follow_moves(cache, fol: FollowMoves, after_reads):
@@ -165,9 +174,9 @@ def look_ahead(dec, params, state, cache, scanned, sampled):
         window = None if windows is None else windows[0]
         ahead = select_blocks(q, cache, 0, nxt, dec.placement, window=window) & active[:, None]
         st = AttentionStats(read_hbm=reads.read_hbm[0], read_host=reads.read_host[0], mass=None)
-        fol = follow_layer(
-            cache, 0, st, tuple(b[0] for b in staged0), state.placement.policy, fol,
-            state.statistics.blocks, num_blocks=N, follow=dec.policy.follow,
-            ahead=ahead.reshape(N),
+        fol, _ = follow_layer(
+            cache, 0, st, tuple(b[0] for b in staged0), state.placement.policy,
+            state.placement.rule, fol, state.statistics.blocks, state.sampling.step,
+            num_blocks=N, rule=dec.policy.rule, ahead=ahead.reshape(N),
         )  # fmt: skip
     return ahead, fol

@@ -19,7 +19,8 @@ from jaxkv.config import PROMPT_QUERIES, CacheConfig, HardwareProfile, Placement
 from jaxkv.cost import CostModel
 from jaxkv.decode.state import DecodeState, Prefilled
 from jaxkv.model_api import FunctionalModel
-from jaxkv.placement.presets import BASES, Settings, check_policy, resolve, split_name
+from jaxkv.placement import registry
+from jaxkv.placement.presets import Settings, check_policy, resolve
 from jaxkv.placement.pricing import AdaptiveWindow
 
 
@@ -81,6 +82,9 @@ def plan_env(
     )
 
 
+ONLINE_EXAMPLES = "e.g. 'lrfu', 'lru' or 'anneal+reuse+follow'"
+
+
 def live_policy(p: PlacementConfig, env: CostModel, overrides: dict):
     """The placement policy of `p.policy` (`jaxkv.placement.presets.resolve`) with `p`'s window and
     migration budget. Names take the modifiers a live decode can honour: "anneal+reuse",
@@ -90,7 +94,8 @@ def live_policy(p: PlacementConfig, env: CostModel, overrides: dict):
     used as it is (`live_policy_object`)."""
     if not isinstance(p.policy, str):
         return live_policy_object(p, overrides)
-    base, mods = split_name(p.policy)
+    e, mods, _ = registry.parse(p.policy)
+    base = e.name
     if "now" in mods:
         raise ValueError(
             f"policy {p.policy!r}: +now anneals each layer on its critical path, between its "
@@ -98,17 +103,17 @@ def live_policy(p: PlacementConfig, env: CostModel, overrides: dict):
             "the plan inside the step instead: use "
             f"{p.policy.replace('+now', '+follow')!r}"
         )
-    if base == "unlimited":
+    if e.kind == "bound":
         raise ValueError(
             f"policy {p.policy!r} is the Unlimited-HBM bound (every block in HBM), not a "
             "placement: use hbm_fraction=1.0 for an all-HBM decode, or an online policy "
-            "(e.g. 'lru', 'anneal' or 'anneal+reuse+follow')"
+            f"({ONLINE_EXAMPLES})"
         )
-    if not BASES[base].online:
+    if not e.online:
         raise ValueError(
             f"policy {p.policy!r} plans from perfect knowledge of future reads, which a live "
             "decode does not have; use it in `jaxkv simulate`, or an online policy here "
-            "(e.g. 'lru', 'anneal' or 'anneal+reuse+follow')"
+            f"({ONLINE_EXAMPLES})"
         )
     bounds = AdaptiveWindow(p.min_window, p.max_window, p.window_step)
     settings = Settings(window=p.window, budget=p.max_moves, adaptive=bounds)

@@ -7,7 +7,7 @@ return. It nests:
   sampling    `SamplingState`: the tokens so far (PAD_ID after a sequence's last), the next
               input, finished sequences, the first step with non-finite logits, the PRNG key
   placement   `PlacementState`: window bookkeeping (W, steps since the last plan, this window's
-              HBM hit counts) and the placement policy's own state
+              HBM hit counts), the placement policy's own state and its in-step rule's
   statistics  `Statistics`: per-block read statistics the policy plans from
   metrics     `Metrics`: per-step bytes read from each tier, the modeled step latency, blocks
               migrated, HBM hits
@@ -27,10 +27,15 @@ import numpy as np
 
 from jaxkv import cache as kvc
 from jaxkv._pytree import pytree_dataclass, replace
-from jaxkv.cache.layout import ring_window
 from jaxkv.config import CacheConfig
-from jaxkv.cost import layer_step_time
 from jaxkv.placement import statistics as imp
+from jaxkv.placement.charging import (  # noqa: F401  (the decode loop's charging, re-exported)
+    copied_demotions,
+    link_migration_bytes,
+    read_bytes,
+    step_latency,
+    token_write_bytes,
+)
 from jaxkv.placement.pricing import adapt_window
 
 PAD_ID = -1  # the token buffer's entry after a sequence's last token (never a valid id)
@@ -102,6 +107,9 @@ class PlacementState:
     win_total: jax.Array  # [] f32: block reads in the current window
     prev_hit: jax.Array  # [] f32: HBM hit rate of the previous window
     policy: Any  # the policy's own state (`Policy.init`)
+    # the in-step rule's state (`Rule.init(layers, batch * max_blocks)`: every leaf [layers, ...];
+    # () for a rule that keeps none, or no rule)
+    rule: Any = ()
 
 
 @pytree_dataclass
@@ -189,6 +197,7 @@ def initial_state(
     steady=None,
     room: int = 0,
     lookahead: bool = False,
+    rule=(),
 ):
     """The DecodeState after prefill: `first` [batch] sampled tokens (`done` those that stop;
     `bad_step` [batch] int32 0 where the prefill's logits were not finite, else -1),
@@ -197,7 +206,8 @@ def initial_state(
     blocks' read frequency starts at `read_prior` [layers, batch * max_blocks] if given, the
     prompt's prior of `jaxkv.decode.prompt`; with `steady`, the adaptive estimator's steady
     read frequency, over a layer's `room` HBM slots: `jaxkv.placement.statistics.with_steady`;
-    `lookahead`: the statistics keep layer 0's next reads, none known yet)."""
+    `lookahead`: the statistics keep layer 0's next reads, none known yet; `rule`: the in-step
+    rule's initial state)."""
     L, B, M = cache.tier.shape
     stats = imp.init_stats(L, B * M, decay=decay)
     if read_prior is not None:
@@ -215,7 +225,7 @@ def initial_state(
             key=key,
             bad_step=bad_step,
         ),
-        placement=new_window(jnp.int32(window), jnp.float32(0), policy),
+        placement=new_window(jnp.int32(window), jnp.float32(0), policy, rule),
         statistics=Statistics(
             blocks=stats,
             step_mass=jnp.zeros((L, B, M), jnp.float32),
@@ -235,8 +245,9 @@ def initial_state(
     )
 
 
-def new_window(window, prev_hit, policy) -> PlacementState:
-    """The placement state at the start of a window of W=`window` steps, none taken yet."""
+def new_window(window, prev_hit, policy, rule=()) -> PlacementState:
+    """The placement state at the start of a window of W=`window` steps, none taken yet, with
+    the policy's state `policy` and its in-step rule's `rule`."""
     return PlacementState(
         window=window,
         since_plan=jnp.int32(0),
@@ -244,6 +255,7 @@ def new_window(window, prev_hit, policy) -> PlacementState:
         win_total=jnp.float32(0),
         prev_hit=prev_hit,
         policy=policy,
+        rule=rule,
     )
 
 
@@ -259,19 +271,6 @@ def next_window(policy, p, pl: PlacementState, policy_state):
     elif p.adaptive_window:
         window = adapt_window(window, hit, pl.prev_hit, p.min_window, p.max_window, p.window_step)
     return window, hit
-
-
-def read_bytes(c: CacheConfig, read_hbm, read_host, lengths):
-    """([layers] f32, [layers] f32): the KV bytes a step reads from HBM and over the link,
-    from its block reads [layers, batch, max_blocks] bool (the tail in read_hbm) by sequences
-    `lengths` [batch] tokens long before the step. FP8 blocks count their FP8 bytes; under
-    fp8="age" the ring's reads are at full precision."""
-    hbm_b = read_hbm.sum(axis=(1, 2)) * float(c.hbm_block_bytes)
-    if c.ring_blocks:
-        ring = (read_hbm & ring_window(c, lengths)[None]).sum(axis=(1, 2))
-        hbm_b += ring * float(c.block_bytes - c.hbm_block_bytes)
-    host_b = read_host.sum(axis=(1, 2)) * float(c.host_block_bytes)
-    return hbm_b, host_b
 
 
 def record_step(
@@ -375,51 +374,6 @@ def summarize(
                 else float("nan"),
             )
     return out
-
-
-def copied_demotions(c: CacheConfig, demoted):
-    """The follow demotions that copy a block: all under an exclusive host tier, none under a
-    write-through one (the block's host copy is already there)."""
-    return jnp.zeros_like(demoted) if c.write_through else demoted
-
-
-def link_migration_bytes(c: CacheConfig, moved, demoted):
-    """[layers] f32 link bytes of a step's migrations: the blocks `migrate` copied (`moved`) and
-    the follow demotions, written back under an exclusive host tier and free under a
-    write-through one (a follow promotion rides on the step's host read)."""
-    crossed = moved if c.write_through else moved + demoted
-    return crossed.astype(jnp.float32) * float(c.host_block_bytes)
-
-
-def token_write_bytes(c: CacheConfig) -> float:
-    """HBM bytes a step writes per layer for the new tokens (fp8="age": into the ring, plus
-    their FP8 copy at sealing, amortized)."""
-    extra = c.hbm_block_bytes if c.ring_blocks else 0
-    return float(c.batch * (c.block_bytes + extra) / c.block_size)
-
-
-def step_latency(
-    c: CacheConfig, profile, weight_bytes, hbm_b, host_b, moved, promoted, demoted, link_mig=None
-):
-    """[] f32: a step's modeled seconds (`jaxkv.cost.layer_step_time`, summed over the layers)
-    from its reads, its token write and its migrations ([layers] blocks each); `link_mig`: the
-    link's migration bytes [layers] when others share it (jaxkv.decode.sharded)."""
-    bb = float(c.hbm_block_bytes)  # what a migration writes or reads in the HBM pool
-    write_b = token_write_bytes(c)
-    # as in the simulator (docs/paper.md): a copied block crosses the link once and touches HBM
-    # once, in its step; a follow promotion rides on the step's host read (HBM only); a
-    # write-through demotion only frees its HBM slot (no copy)
-    mig_h = (moved + promoted + copied_demotions(c, demoted)).astype(jnp.float32) * bb  # [L]
-    mig_l = link_mig if link_mig is not None else link_migration_bytes(c, moved, demoted)
-    return layer_step_time(
-        hbm_b,
-        host_b,
-        profile=profile,
-        weight_bytes=weight_bytes,
-        hbm_write_bytes=write_b,
-        hbm_migration_bytes=mig_h,
-        link_migration_bytes=mig_l,
-    ).sum()
 
 
 class NonFiniteLogitsError(FloatingPointError):

@@ -62,7 +62,7 @@ def check_policies(policies, label: str = "policies") -> dict:
     variants of one preset side by side). "paper-sa" (its grid) and "unlimited" (the bound)
     are labelled by their own names only. ValueError / TypeError names the bad entry and
     what is expected."""
-    example = "e.g. ['static', 'lru', 'anneal', 'unlimited'] or {'mine': policies.Anneal(...)}"
+    example = "e.g. ['static', 'lru-plan', 'anneal', 'unlimited'] or {'mine': policies.Anneal(...)}"
     if isinstance(policies, str) or not isinstance(policies, list | tuple | dict) or not policies:
         raise ValueError(f"{label}={policies!r}: expected a non-empty list of policies, {example}")
     if isinstance(policies, dict):

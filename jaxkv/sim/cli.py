@@ -323,7 +323,7 @@ def add_cli(sub) -> None:
     p.add_argument("--sparsity", type=float, default=0.6)
     p.add_argument(
         "--policies",
-        default="static,lru,page,paper-sa,anneal,anneal-oracle,unlimited",
+        default="static,lru-plan,page,paper-sa,anneal,anneal-oracle,unlimited",
         help="comma-separated preset names (jaxkv.placement.presets), or module:attribute (or "
         "file.py:attribute) naming a policy object, e.g. a composed policies.Anneal, imported "
         "from the working directory and reported under its name",
@@ -376,7 +376,7 @@ def check_cli_args(args) -> list[str]:
     if not names:
         raise ValueError(
             f"--policies={args.policies!r}: expected comma-separated policy names, e.g. "
-            "static,lru,anneal,unlimited"
+            "static,lru-plan,anneal,unlimited"
         )
     policies = [load_policy(n) if ":" in n else n for n in names]
     check_policies(policies, "--policies")

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxkv.placement import presets
 from jaxkv.placement.forecasts import Forecast
 from jaxkv.placement.statistics import Stats, init_stats, update_stats
 from jaxkv.sim.trace import read_mask
@@ -188,3 +189,13 @@ class LearnedForecast:
             "b": jnp.float32(self.params[-1]),
         }
         return state, Forecast(learned_forecast(p, feats, obs.valid, steps))
+
+
+def _learned(k: dict) -> LearnedForecast:
+    if k["learned"] is None:
+        raise ValueError("Anneal forecast='learned' needs learned=(w_0, ..., w_5, b), got None")
+    return LearnedForecast(tuple(k["learned"]))
+
+
+presets.register_forecast("learned", _learned)
+presets.extend_knobs("learned", dict(learned=None), lambda k: None, lambda k: [])

@@ -5,20 +5,23 @@ The trace simulator (`jaxkv.sim.replay`) models the paper's system: a plan at th
 step, charged to that step, whose promotions of blocks the step reads ride on the read; a
 partial tail block; planning priced with its own `Setup.env`. The decode loop
 (`jaxkv.Decoder`) differs in when and what it charges: it plans at the end of a step,
-after the step's reads, the follow rule's moves, the sealing of a full tail and the statistics'
-update, and charges that plan's migration (read over the link, never riding) to that step; the
-tail is read as a whole block; a follow policy's rule runs with the loop's migration budget.
-This module is that second model, built from the decode loop's own functions, so that the
-two cannot drift apart:
+after the step's reads, the in-step rule's moves, the sealing of a full tail and the
+statistics' update, and charges that plan's migration (read over the link, never riding) to
+that step; the tail is read as a whole block; an in-step rule runs with the loop's migration
+budget. This module is that second model, built from the decode loop's own functions (the
+placement core, `jaxkv.placement`), so that the two cannot drift apart:
 
-  reads and their bytes   `jaxkv.decode.state.read_bytes` (the tail and the FP8 ring in HBM)
-  the follow rule         `jaxkv.placement.policies.follow_moves`, budget min(max_moves, N)
+  reads and their bytes   `jaxkv.placement.charging.read_bytes` (the tail and the FP8 ring in
+                          HBM)
+  the in-step rule        `jaxkv.placement.admission.admit`, the decoder's own call, every layer
+                          at once (budget `rule_budget`: the policy's or max_moves)
   a sealed block          `jaxkv.cache.slots.seal_keeps` (HBM while the pool has a free slot)
   the statistics          `jaxkv.placement.statistics.update_stats`
   the plan                `jaxkv.placement.observation.observe` -> `policy.plan` in the Decoder's
                           `env`; `jaxkv.cache.migration.plan_moves_masks`; the next W by
                           `jaxkv.decode.state.next_window`
-  a step's cost           `jaxkv.decode.state.step_latency` (write-through: a demotion is free)
+  a step's cost           `jaxkv.placement.charging.step_latency` (write-through: a demotion is
+                          free)
 
 `record` runs a Decoder's steps one at a time and keeps each step's reads (`LoopRecord`). A
 sparse selection depends on the logical blocks, not on where they live, so one placement's
@@ -27,11 +30,12 @@ in a grouping that follows the placement, and the last bits of a layer's output 
 near-tie in the selection of a layer above (2 of 28,896 reads at bench_decode's 8k case).
 `replay` runs them through the model above for the Decoder's policy (or another,
 `LoopSetup.of(decoder, policy=...)`; an oracle, which the decode loop refuses, sees the
-recorded reads of the steps after each plan: a diagnostic of how much a perfect forecast would
-gain) and returns per-step figures (`LoopReplay`) that equal the decode loop's own metrics on
-its own record: the same hit counts and migrations, the same modeled latency
-(tests/test_sim_loop.py, for static, lru and the live policy under both host tiers). Out of
-scope: sequences that finish during the recorded steps (EOS, a full cache), a sharded cache.
+recorded reads of the steps after each plan, or, an offline rule (Belady), every block's next
+read: the limit a perfect forecast reaches) and returns per-step figures (`LoopReplay`) that
+equal the decode loop's own metrics on its own record: the same hit counts and migrations, the
+same modeled latency (tests/test_sim_loop.py, for static, lru-plan, the field's rules and the
+live policy under both host tiers). Out of scope: sequences that finish during the recorded
+steps (EOS, a full cache), a sharded cache.
 """
 
 from __future__ import annotations
@@ -50,18 +54,25 @@ from jaxkv.cache.migration import plan_moves_masks
 from jaxkv.cache.slots import seal_keeps
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.cost import CostModel
-from jaxkv.decode.state import (
-    PlacementState,
+from jaxkv.decode.state import PlacementState, new_window, next_window
+from jaxkv.placement import statistics as imp
+from jaxkv.placement.admission import (
+    NEVER_READ,
+    StepView,
+    admit,
+    moves_mask,
+    needs_next_use,
+    rule_budget,
+    rule_state,
+)
+from jaxkv.placement.charging import (
     copied_demotions,
-    new_window,
-    next_window,
     read_bytes,
     step_latency,
     token_write_bytes,
 )
-from jaxkv.placement import statistics as imp
 from jaxkv.placement.observation import layer_windows, observe, placeable_blocks
-from jaxkv.placement.policies import follow_moves, looks_ahead, moves_mask
+from jaxkv.placement.policies import looks_ahead
 from jaxkv.sim.bounds import cache_bound_seconds, min_link_crossings
 
 
@@ -76,6 +87,11 @@ class LoopSetup:
     env: CostModel  # what plans are priced in (`jaxkv.decode.setup.plan_env`)
     profile: HardwareProfile
     weight_bytes: float  # HBM bytes of one layer's weights per step
+
+    @property
+    def budget(self) -> int:
+        """Admissions per layer a step's rule may make (`rule_budget`, as the decoder's)."""
+        return rule_budget(self.policy, self.placement.max_moves)
 
     @classmethod
     def of(cls, decoder, *, policy=None) -> LoopSetup:
@@ -246,8 +262,10 @@ def replay(setup: LoopSetup, rec: LoopRecord) -> LoopReplay:
     other = setup.policy != rec.policy
     if other or int(pl.window) != setup.placement.window:
         # another policy starts from its initial state, another W with a new window
-        ps = setup.policy.init(c.num_layers, c.batch * c.max_blocks) if other else pl.policy
-        pl = new_window(jnp.int32(setup.placement.window), pl.prev_hit, ps)
+        N = c.batch * c.max_blocks
+        ps = setup.policy.init(c.num_layers, N) if other else pl.policy
+        rs = rule_state(setup.policy, c.num_layers, N) if other else pl.rule
+        pl = new_window(jnp.int32(setup.placement.window), pl.prev_hit, ps, rs)
         rec = replace(rec, start=replace(rec.start, placement=pl))
     run = jax.jit(lambda r: _scan(setup, r))
     metrics, in_hbm, plans = run(rec)
@@ -266,10 +284,27 @@ def _scan(setup: LoopSetup, rec: LoopRecord):
         )
         future = (pad(rec.reads), pad(rec.mass))
     steps = jnp.arange(rec.reads.shape[0], dtype=jnp.int32)
+    nxt = next_reads(rec.reads) if needs_next_use(setup.policy) else None
+    xs = (rec.reads, rec.mass, steps, _ahead(rec), nxt)
     (in_hbm, _, _, _, _, plans), m = jax.lax.scan(
-        lambda cr, x: _step(setup, cr, x, future), carry, (rec.reads, rec.mass, steps, _ahead(rec))
+        lambda cr, x: _step(setup, cr, x, future), carry, xs
     )
     return m, in_hbm, plans
+
+
+def next_reads(reads):
+    """[steps, ...] int32 of `reads` [steps, ...] bool: for each step, the next step (index into
+    `reads`) after it at which each block is read, `NEVER_READ` if none (a backward scan)."""
+    reads = jnp.asarray(reads)
+    t = jnp.arange(reads.shape[0], dtype=jnp.int32)
+
+    def back(nxt, x):
+        r, s = x
+        return jnp.where(r, s, nxt), nxt  # the next read after step s, before folding s in
+
+    init = jnp.full(reads.shape[1:], NEVER_READ, jnp.int32)
+    _, out = jax.lax.scan(back, init, (reads, t), reverse=True)
+    return out
 
 
 def _ahead(rec: LoopRecord):
@@ -284,13 +319,13 @@ def _ahead(rec: LoopRecord):
 
 
 def _step(setup: LoopSetup, carry, xs, future=None):
-    """One decode step on masks, in the decode loop's order: reads, the follow rule, the
+    """One decode step on masks, in the decode loop's order: reads, the in-step rule, the
     sealing of full tails, the statistics, the plan if the window ends, the step's cost."""
     c, policy = setup.cache_config, setup.policy
     L, B, M, bs = c.num_layers, c.batch, c.max_blocks, c.block_size
     N = B * M
     in_hbm, lengths, stats, pl, step, plans = carry
-    read, mass, i, ahead = xs
+    read, mass, i, ahead, next_use = xs
     j = jnp.arange(M)
     sealed = jnp.broadcast_to(j[None] < (lengths // bs)[:, None], (L, B, M))
     # the tail (unsealed) and, under fp8="age", the ring are read from HBM
@@ -299,46 +334,52 @@ def _step(setup: LoopSetup, carry, xs, future=None):
         in_fast = in_fast | ring_window(c, lengths)[None]
     read_hbm, read_host = read & in_fast, read & ~in_fast
     hbm_b, host_b = read_bytes(c, read_hbm, read_host, lengths)
+    # the cache's advance after the step: a full tail seals, in HBM while the pool has room
+    ok = lengths < c.max_len
+    new_len = lengths + ok.astype(jnp.int32)
+    full = ok & (new_len % bs == 0)
+    seal = full & (new_len // bs < M)
+    at_end = full & ~seal
+    sj = jnp.clip(new_len // bs - 1, 0, M - 1)
+    b = jnp.arange(B)
 
     def n_free(in_hbm, lengths):  # [L] free HBM slots: the pool less resident blocks and tails
         tails = jnp.sum(lengths // bs < M)
         return (c.hbm_slots - tails - jnp.sum(in_hbm.reshape(L, N), -1)).astype(jnp.int32)
 
     promoted = demoted = jnp.zeros((L,), jnp.int32)
-    if policy.follow is not None:
-        K = max(0, min(setup.placement.max_moves, N))
+    rule = policy.rule
+    shared = bool(getattr(rule, "shared", False))  # one pool for every layer (Belady's option)
+    if rule is not None:
         flat = in_hbm.reshape(L, N)
-        flat_read = read.reshape(L, N)
-        steady = imp.steady_choice(stats, flat_read, sealed.reshape(L, N))
-        ahead = ahead.reshape(N) if looks_ahead(policy) else None
-        target, priority, value = policy.follow.inputs(
-            pl.policy, stats.read_ema, flat_read, stats.decay, steady=steady, ahead=ahead
+        rows = (1, L * N) if shared else (L, N)  # shared: every layer's blocks in one row
+        sealing = jnp.zeros((B, M), bool).at[b, sj].set(seal).reshape(1, N)
+        room = n_free(in_hbm, lengths)
+        view = StepView(
+            in_hbm=flat.reshape(rows),
+            valid=sealed.reshape(rows),
+            reads=read.reshape(rows),
+            room=jnp.sum(room)[None] if shared else room,  # shared: the layers' slots pooled
+            step=step,
+            stats=stats,
+            pstate=pl.policy,
+            ahead=ahead.reshape(N) if looks_ahead(policy) else None,
+            sealing=jnp.broadcast_to(sealing, (L, N)).reshape(rows),
+            next_use=None if next_use is None else next_use.reshape(rows),
         )
-        pro, n_p, dem, n_d = follow_moves(
-            flat,
-            sealed.reshape(L, N),
-            flat_read,
-            target,
-            priority,
-            n_free(in_hbm, lengths),
-            K,
-            admit=policy.follow.admit,
-            value=value,
-        )
-        after = (flat & ~moves_mask(dem, n_d, N)) | moves_mask(pro, n_p, N)
+        adm, rstate = admit(rule, pl.rule, view, min(setup.budget, rows[1]))
+        after = adm.apply(flat.reshape(rows)).reshape(L, N)
         promoted = jnp.sum(after & ~flat, -1).astype(jnp.int32)
         demoted = jnp.sum(flat & ~after, -1).astype(jnp.int32)
         in_hbm = after.reshape(L, B, M)
+        pl = replace(pl, rule=rstate)
 
-    # the cache's advance: a full tail seals, in HBM while the pool has a free slot
-    ok = lengths < c.max_len
-    new_len = lengths + ok.astype(jnp.int32)
-    full = ok & (new_len % bs == 0)
-    seal = full & (new_len // bs < M)
-    at_end = full & ~seal
-    keep, _ = seal_keeps(seal, n_free(in_hbm, lengths))
-    sj = jnp.clip(new_len // bs - 1, 0, M - 1)
-    b = jnp.arange(B)
+    free = n_free(in_hbm, lengths)
+    if shared:  # the sealing blocks take the pooled free slots, layer by layer
+        order = jnp.cumsum(jnp.broadcast_to(seal[None], (L, B)).reshape(-1)).reshape(L, B) - 1
+        keep = seal[None] & (order < jnp.sum(free))
+    else:
+        keep, _ = seal_keeps(seal, free)
     stays = (keep | at_end[None]) & full[None]  # [L, B]
     in_hbm = in_hbm.at[:, b, sj].set(in_hbm[:, b, sj] | stays)
 
@@ -360,7 +401,7 @@ def _step(setup: LoopSetup, carry, xs, future=None):
             obs = replace(obs, forecast=fc, forecast_mass=fm)
         pstate, target = policy.plan(pl.policy, obs, setup.env)
         moved = jnp.zeros((L,), jnp.int32)
-        if policy.follow is None:
+        if rule is None:
             flat, sflat = in_hbm.reshape(L, N), sealed_now.reshape(L, N)
             passed = None
             if layer_windows(setup.model_config) is not None:
@@ -383,7 +424,8 @@ def _step(setup: LoopSetup, carry, xs, future=None):
             in_hbm = after.reshape(L, B, M)
         stats = replace(stats, window_reads=jnp.zeros_like(stats.window_reads))
         window, hit = next_window(policy, setup.placement, pl, pstate)
-        return in_hbm, stats, new_window(window.astype(jnp.int32), hit, pstate), moved, 1
+        pl = new_window(window.astype(jnp.int32), hit, pstate, pl.rule)
+        return in_hbm, stats, pl, moved, 1
 
     def skip(args):
         in_hbm, stats, pl = args
@@ -430,8 +472,7 @@ def bounds(setup: LoopSetup, rec: LoopRecord) -> dict:
     reads = np.asarray(rec.reads, bool)
     T, L, B, M = reads.shape
     N, bs, bb = B * M, c.block_size, float(c.block_bytes)
-    lengths = np.asarray(rec.start.lengths)[None] + np.arange(T)[:, None]  # [T, B] before each
-    sealed = np.arange(M)[None, None] < (lengths // bs)[:, :, None]  # [T, B, M]
+    lengths, sealed, placed = _sealed_reads(c, rec)
     kw = dict(
         profile=setup.profile,
         weight_bytes=setup.weight_bytes,
@@ -442,7 +483,6 @@ def bounds(setup: LoopSetup, rec: LoopRecord) -> dict:
     unl = np.asarray(cost.unlimited_step_time(rb, **kw), np.float64).sum(0)
     cap_bytes = bb * (c.hbm_pool_slots + tails)
     cap = np.asarray(cost.capacity_bound_step_time(rb, cap_bytes, **kw), np.float64).sum(0)
-    placed = (reads & sealed[:, None]).reshape(T, L, N)
     fresh = np.zeros((T, N), bool)  # blocks that seal before each step, free in HBM there
     fresh[1:] = (sealed[1:] & ~sealed[:-1]).reshape(T - 1, N)
     init = best_start(placed, sealed[0].reshape(N), np.asarray(rec.start.in_hbm).reshape(L, N))
@@ -455,6 +495,34 @@ def bounds(setup: LoopSetup, rec: LoopRecord) -> dict:
         "best": float(cache_bound_seconds(f, cap, bb, link).sum()),
         "crossings": f.tolist(),
     }
+
+
+def _sealed_reads(c, rec):
+    """(lengths [T, B] before each step, sealed [T, B, M] bool, the reads of sealed blocks
+    [T, layers, N] bool) of a record."""
+    reads = np.asarray(rec.reads, bool)
+    T, L, B, M = reads.shape
+    lengths = np.asarray(rec.start.lengths)[None] + np.arange(T)[:, None]
+    sealed = np.arange(M)[None, None] < (lengths // c.block_size)[:, :, None]
+    return lengths, sealed, (reads & sealed[:, None]).reshape(T, L, B * M)
+
+
+def limit(setup: LoopSetup, rec: LoopRecord, *, shared: bool = False) -> LoopReplay:
+    """Belady's MIN with bypass (`jaxkv.sim.belady`) replayed on `rec` from the best prefill
+    placement (`best_start`, as many blocks per layer as the recorded start holds: the prefill
+    may choose them): the fewest host reads this pool can make, priced by the decode loop's
+    cost model. `shared`: one pool for every layer. The attainable limit a policy in the step
+    is measured against (`jaxkv.sim.belady`'s docstring: not a lower bound on the time)."""
+    from jaxkv.sim.belady import Belady
+
+    c = setup.cache_config
+    L, N = c.num_layers, c.batch * c.max_blocks
+    _, sealed, placed = _sealed_reads(c, rec)
+    start = np.asarray(rec.start.in_hbm).reshape(L, N)
+    init = best_start(placed, sealed[0].reshape(N), start).reshape(np.shape(rec.start.in_hbm))
+    policy = Belady(shared=shared)
+    rec = replace(rec, start=replace(rec.start, in_hbm=init), policy=None)
+    return replay(dataclasses.replace(setup, policy=policy), rec)
 
 
 def best_start(reads, sealed, start):

@@ -20,7 +20,10 @@ from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.cost import Geometry
 from jaxkv.decode.setup import live_policy, plan_env
 from jaxkv.decode.state import new_window
+from jaxkv.placement import registry
 from jaxkv.placement import statistics as imp
+from jaxkv.placement.admission import rule_state
+from jaxkv.placement.presets import Settings, resolve
 from jaxkv.sim.loop import LoopMetrics, LoopRecord, LoopSetup, LoopStart
 from jaxkv.sim.trace import read_mask
 
@@ -43,7 +46,8 @@ def trace_setup(
 ) -> LoopSetup:
     """The LoopSetup of a Decoder decoding `trace` (its first `steps` steps): `hbm_blocks`
     sealed blocks per layer in HBM (the pool, the tail's slot apart), W `window`, policy
-    `policy` (a name or object, as `PlacementConfig.policy`), on `profile`, in `geometry` (the
+    `policy` (a name or object, as `PlacementConfig.policy`; an oracle's name too, e.g.
+    "belady", which a decode cannot run but a replay can), on `profile`, in `geometry` (the
     trace's own by default, which a trace recorded with `jaxkv trace` stores) with its layers.
     """
     g = geometry or trace.geometry
@@ -70,13 +74,19 @@ def trace_setup(
         host_tier=host_tier,
     )
     prof = HardwareProfile.preset(profile) if isinstance(profile, str) else profile
-    placement = PlacementConfig(policy=policy, window=window, max_moves=max_moves)
     env = plan_env(prof, cfg, float(g.weight_bytes))
+    if isinstance(policy, str) and not registry.is_online(policy):  # an oracle: offline here
+        settings = Settings(window=window, budget=max_moves)
+        pol = resolve(policy, env, settings, **(policy_kwargs or {}))
+        placement = PlacementConfig(policy="static", window=window, max_moves=max_moves)
+    else:
+        placement = PlacementConfig(policy=policy, window=window, max_moves=max_moves)
+        pol = live_policy(placement, env, policy_kwargs or {})
     return LoopSetup(
         cache_config=cfg,
         model_config=None,
         placement=placement,
-        policy=live_policy(placement, env, policy_kwargs or {}),
+        policy=pol,
         env=env,
         profile=prof,
         weight_bytes=float(g.weight_bytes),
@@ -105,7 +115,10 @@ def trace_record(trace, setup: LoopSetup, sparsity: float, *, decay: float = 0.9
         lengths=np.asarray([P], np.int32),
         stats=imp.init_stats(L, M, decay=decay),
         placement=new_window(
-            jnp.int32(setup.placement.window), jnp.float32(0), setup.policy.init(L, M)
+            jnp.int32(setup.placement.window),
+            jnp.float32(0),
+            setup.policy.init(L, M),
+            rule_state(setup.policy, L, M),
         ),
         step=jnp.int32(0),
     )

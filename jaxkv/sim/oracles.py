@@ -20,9 +20,11 @@ import jax.numpy as jnp
 
 from jaxkv.config import check_number
 from jaxkv.cost import CostModel
+from jaxkv.placement import presets, registry
 from jaxkv.placement import statistics as imp
 from jaxkv.placement.forecasts import Forecast, require_forecast
 from jaxkv.placement.policies import Observation, PolicyBase, top_capacity
+from jaxkv.placement.registry import Modifier, knobs_of
 
 
 def oracle_forecast(future_reads, window=None):
@@ -307,3 +309,128 @@ class Unlimited(PolicyBase):
             "placement: expected a placing policy, e.g. 'anneal+reuse+follow' in the decode "
             "loop (the simulator reports unlimited as a bound)"
         )
+
+
+# ---------------------------------------------------------------------------- registration
+
+
+def _build_page(name, env, s, mods, args, overrides):
+    g = overrides.pop("page_blocks", None) or s.page_blocks or max(1, 16 // env.block_size)
+    return Page(page_blocks=g, **overrides)
+
+
+def _paper_sa_args(name: str, args: str) -> tuple[int, float]:
+    try:
+        w, r = args.split(",")
+        return int(w), float(r)
+    except ValueError:
+        raise ValueError(
+            f"policy {name!r}: expected paper-sa[W,R], W an integer lookahead, R a fraction"
+        ) from None
+
+
+def _build_paper_sa(name, env, s, mods, args, overrides):
+    if args is None:
+        return PaperSA(**overrides)
+    w, r = _paper_sa_args(name, args)
+    return PaperSA(name=name, lookahead=w, fraction=r, window=1, **overrides)
+
+
+def _check_paper_sa(name, mods):
+    if "[" in name:
+        _paper_sa_args(name, name[name.index("[") + 1 : -1])
+
+
+# anneal-oracle's modifiers: +aw and +ec as anneal's, +visits and +dual its own
+ORACLE_MODIFIERS = {
+    "aw": presets.MODIFIERS["aw"],
+    "ec": presets.MODIFIERS["ec"],
+    "visits": Modifier("the oracle cut to the visits in progress", dict(forecast="visits")),
+    "dual": Modifier("the LP dual's value-to-go as terminal value", dict(dual=True)),
+}
+
+
+def _build_anneal_oracle(name, env, s, mods, args, overrides):
+    w = s.dual_window if "dual" in mods else s.oracle_window
+    base = dict(forecast="oracle", window=w, discount=s.oracle_discount, interval=s.interval)
+    base["tail"] = s.oracle_tail
+    knobs = presets.anneal_knobs(name, mods, s, ORACLE_MODIFIERS, base)
+    return presets.anneal_policy(**{**knobs, **overrides})
+
+
+def _check_anneal_oracle(name, mods):
+    if "dual" in mods and {"visits", "aw"} & set(mods):
+        raise ValueError(
+            f"policy {name!r}: +dual values blocks from the LP dual of the true future, for "
+            "anneal-oracle only, without +visits or +aw"
+        )
+
+
+_TAIL, _OVERFLOW = BeladyTail(), Overflow()
+# the knobs the oracles' parts add to `presets.anneal_policy`, their defaults read from the parts
+ORACLE_KNOBS = dict(
+    tail=0,
+    tail_value=_TAIL.value,
+    tail_decay=_TAIL.decay,
+    overflow_value=_OVERFLOW.value,
+    overflow_link_ratio=_OVERFLOW.link_ratio,
+    dual=False,
+)
+
+
+def _check_oracle_knobs(k: dict) -> None:
+    check_number("Anneal tail", k["tail"], integer=True, low=0)
+    # the tail's knobs are checked even when the tail is off, as a typo should not hide
+    check_number("Anneal tail_value", k["tail_value"], low=0.0)
+    check_number("Anneal tail_decay", k["tail_decay"], low=0.0, high=1.0, low_open=True)
+    check_number("Anneal overflow_value", k["overflow_value"], low=0.0)
+    check_number("Anneal overflow_link_ratio", k["overflow_link_ratio"], low=0.0, low_open=True)
+
+
+def _oracle_values(k: dict) -> list:
+    values = []
+    if k["tail"]:
+        values.append(BeladyTail(k["tail"], k["tail_value"], k["tail_decay"]))
+    if k["dual"]:
+        values.append(Dual())
+    if k["tail"] and k["overflow_value"]:
+        values.append(
+            Overflow(k["tail"], k["overflow_value"], k["tail_decay"], k["overflow_link_ratio"])
+        )
+    return values
+
+
+presets.register_forecast("oracle", lambda k: Oracle())
+presets.register_forecast("visits", lambda k: Visits())
+presets.extend_knobs("oracles", ORACLE_KNOBS, _check_oracle_knobs, _oracle_values)
+registry.register(
+    "page",
+    kind="oracle",
+    doc="the paper's Quest-like baseline, one-step lookahead",
+    build=_build_page,
+    knobs=dict(page_blocks=None),
+)
+registry.register(
+    "paper-sa",
+    kind="oracle",
+    doc="the paper's SA-guided heuristic with the future known; paper-sa[W,R] fixes its knobs",
+    build=_build_paper_sa,
+    knobs=knobs_of(PaperSA),
+    check=_check_paper_sa,
+    args="W,R: lookahead steps and promoted fraction",
+)
+registry.register(
+    "anneal-oracle",
+    kind="oracle",
+    doc="simulated annealing with the true future as its forecast",
+    build=_build_anneal_oracle,
+    modifiers=ORACLE_MODIFIERS,
+    knobs=lambda: {k: v for k, v in presets.all_knobs().items() if k != "name"},
+    check=_check_anneal_oracle,
+)
+registry.register(
+    "unlimited",
+    kind="bound",
+    doc="the Unlimited-HBM bound (every read split ideally between the tiers; not a placement)",
+    build=lambda name, env, s, mods, args, overrides: Unlimited(**overrides),
+)

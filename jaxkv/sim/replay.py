@@ -3,9 +3,11 @@
 `Setup` is everything static about a simulation, `SimState` one policy's state between chunks
 (`init_state`: write order after prefill). `run_chunk` is one jit-compiled `lax.scan` over a
 chunk's steps, planning inside it with `lax.cond`; each step is `_step`: the sealed block's
-arrival (`_arrive`), the plan or its skip (`_plan`, `_skip`), the per-step rule of a `follow`
-policy (`_follow`) and the step's latency (`_latency`), as the model of `jaxkv.sim.simulate`'s
-module docstring says. `replay` is the loop over chunks: the reads of a chunk are computed once
+arrival (`_arrive`), the plan or its skip (`_plan`, `_skip`), the policy's in-step rule
+(`_rule`: `jaxkv.placement.admission.admit`, the decode loop's own function) and the step's
+latency, all charged in the paper's accounting (`jaxkv.placement.charging.paper_step_time`,
+`paper_plan_charges`, `paper_rule_charges`), as the model of `jaxkv.sim.simulate`'s module
+docstring says. `replay` is the loop over chunks: the reads of a chunk are computed once
 and shared by every policy, and with them the per-chunk Unlimited and capacity bounds
 (`chunk_bounds`) and the bit-packed reads of the cache bound (`pack`).
 """
@@ -23,9 +25,12 @@ import numpy as np
 
 from jaxkv import cost
 from jaxkv._pytree import pytree_dataclass, static_field
+from jaxkv.cache.slots import seal_keeps
 from jaxkv.config import HardwareProfile
 from jaxkv.placement import statistics as imp
-from jaxkv.placement.policies import Observation, follow_moves, looks_ahead, moves_mask
+from jaxkv.placement.admission import StepView, admit, needs_next_use, rule_state
+from jaxkv.placement.charging import paper_plan_charges, paper_rule_charges, paper_step_time
+from jaxkv.placement.policies import Observation, looks_ahead
 from jaxkv.sim.trace import read_mask
 
 
@@ -95,6 +100,7 @@ class SimState:
     reads: jax.Array  # [] float32: placed-block reads in this chunk
     migrated: jax.Array  # [] float32: blocks moved in this chunk
     plans: jax.Array  # [] int32: plans in this chunk
+    rule: Any = ()  # the in-step rule's state (`Rule.init(layers, N)`)
     policy: Any = static_field(default=None)
 
 
@@ -116,6 +122,7 @@ def init_state(policy, setup: Setup) -> SimState:
         z,
         z,
         jnp.int32(0),
+        rule_state(policy, setup.num_layers, setup.num_blocks),
         policy,
     )
 
@@ -152,6 +159,12 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0, va
     policy = state.policy
     if policy.needs_values and values is None:
         raise ValueError(f"policy {policy.name!r} needs the dual's values (run_chunk values=)")
+    if needs_next_use(policy):
+        raise ValueError(
+            f"policy {policy.name!r} reads every block's next read (an offline rule): it runs "
+            "in the decode loop's accounting (jaxkv.sim.loop, bench/loop_traces.py); the trace "
+            "simulator reports the same limit as its cache bound (result['bounds'])"
+        )
     if looks_ahead(policy) and reads_buf.shape[0] <= chunk:
         raise ValueError(
             f"policy {policy.name!r} with lookahead reads the next step's reads of layer 0: "
@@ -167,23 +180,36 @@ def run_chunk(setup: Setup, chunk: int, state: SimState, reads_buf, mass, t0, va
 
 
 def _step(k: _Chunk, st: SimState, c):
-    """Step t0 + c of the scan: arrival, plan (or not), the follow rule, latency, statistics."""
+    """Step t0 + c of the scan: arrival, plan (or not), the in-step rule, latency, statistics."""
     s, policy = k.setup, k.policy
     t = k.t0 + c
     in_hbm, valid = _arrive(k, st, t)
-    in_hbm, stats, pstate, mig_h, mig_l, moved, nxt, planned, now = jax.lax.cond(
+    in_hbm, stats, pstate, mig_h, mig_l, moved, nxt, planned, riding = jax.lax.cond(
         t >= st.next_plan,
         functools.partial(_plan, k, c, t, valid),
         functools.partial(_skip, k, st.next_plan),
         (in_hbm, st.stats, st.pstate),
     )
     r = k.reads_buf[c]  # [L, N]
-    read_from = in_hbm  # what this step reads from HBM (the follow rule's victims included)
-    if policy.follow is not None:
-        in_hbm, now, mig_h, mig_l, moved = _follow(
-            k, c, valid, in_hbm, stats, pstate, now, mig_h, mig_l, moved
+    read_from = in_hbm  # what this step reads from HBM (the rule's victims included)
+    rstate = st.rule
+    if policy.rule is not None:
+        in_hbm, riding, mig_h, mig_l, moved, rstate = _rule(
+            k, c, t, valid, in_hbm, stats, pstate, rstate, riding, mig_h, mig_l, moved
         )
-    lat, n_hbm, n_all = _latency(s, t, r, read_from, now, mig_h, mig_l)
+    tail = s.token_bytes * ((s.prompt_len + t) % s.block_size + 1)
+    lat, n_hbm, n_all = paper_step_time(
+        r,
+        read_from,
+        riding,
+        mig_h,
+        mig_l,
+        block_bytes=s.block_bytes,
+        tail_bytes=tail,
+        token_bytes=s.token_bytes,
+        weight_bytes=s.weight_bytes,
+        profile=s.link_profile,
+    )
     stats = imp.update_stats(stats, r, k.mass[c], t, valid)
     return SimState(
         in_hbm,
@@ -195,19 +221,21 @@ def _step(k: _Chunk, st: SimState, c):
         st.reads + jnp.sum(n_all),
         st.migrated + moved,
         st.plans + planned,
+        rstate,
         policy,
     ), None
 
 
 def _arrive(k: _Chunk, st: SimState, t):
     """(in_hbm, valid) at step t before its plan: the block sealed at t (if any) goes to HBM when
-    the layer's pool has a free slot; valid marks the sealed blocks."""
+    the layer's pool has a free slot (`jaxkv.cache.slots.seal_keeps`, the decode loop's rule,
+    for the trace's one sequence); valid marks the sealed blocks."""
     s = k.setup
     sealed = (s.prompt_len + t) // s.block_size
     new = (sealed > (s.prompt_len + t - 1) // s.block_size) & (t > 0)
     valid = jnp.broadcast_to(k.blk < sealed, (s.num_layers, s.num_blocks))
-    free = jnp.sum(st.in_hbm, axis=-1) < s.capacity  # [L]
-    in_hbm = st.in_hbm | ((k.blk == sealed - 1)[None, :] & new & free[:, None])
+    keep, _ = seal_keeps(new[None], s.capacity - jnp.sum(st.in_hbm, axis=-1))  # [L, 1]
+    in_hbm = st.in_hbm | ((k.blk == sealed - 1)[None, :] & keep)
     return in_hbm, valid
 
 
@@ -230,28 +258,24 @@ def _observation(k: _Chunk, c, t, valid, in_hbm, stats) -> Observation:
 
 def _plan(k: _Chunk, c, t, valid, args):
     """The `lax.cond` branch of a plan step: the policy's target and the moves to it, charged
-    to this step -> (in_hbm, stats, pstate, mig_h [L], mig_l [L], moved, next_plan, 1, now)."""
+    to this step (`paper_plan_charges`) -> (in_hbm, stats, pstate, mig_h [L], mig_l [L], moved,
+    next_plan, 1, riding)."""
     s, policy = k.setup, k.policy
-    L, b = s.num_layers, s.block_bytes
+    L = s.num_layers
     in_hbm, stats, pstate = args
     obs = _observation(k, c, t, valid, in_hbm, stats)
     pstate, target = policy.plan(pstate, obs, s.env)
     stats = dataclasses.replace(stats, window_reads=jnp.zeros_like(stats.window_reads))
     nxt = t + jnp.maximum(policy.next_window(pstate), 1)
-    if policy.follow is not None:  # the plan is a target (pstate.target) for the per-step rule
+    if policy.rule is not None:  # the plan is a target (pstate.target) for the in-step rule
         zl = jnp.zeros((L,), jnp.float32)
         return in_hbm, stats, pstate, zl, zl, k.zero, nxt, 1, jnp.zeros_like(in_hbm)
     target = target & valid
-    pro = target & ~in_hbm
-    dem = in_hbm & ~target
-    mig_h = b * (jnp.sum(pro, -1) + s.demote_cost * jnp.sum(dem, -1))
-    kept = pro & imp.read_last_step(stats.last_read, t) & s.keep_fetched
-    # a block promoted while this step reads it is read over the link once and written to HBM:
-    # no separate link transfer, and its read is a host read
-    now = pro & k.reads_buf[c] & ~kept
-    mig_l = b * (jnp.sum(pro & ~now & ~kept, -1) + s.demote_cost * jnp.sum(dem, -1))
-    moved = jnp.sum(pro) + jnp.sum(dem)
-    return target, stats, pstate, mig_h, mig_l, moved.astype(jnp.float32), nxt, 1, now
+    kept = imp.read_last_step(stats.last_read, t) & s.keep_fetched
+    mig_h, mig_l, moved, riding = paper_plan_charges(
+        target, in_hbm, k.reads_buf[c], kept, s.block_bytes, s.demote_cost
+    )
+    return target, stats, pstate, mig_h, mig_l, moved, nxt, 1, riding
 
 
 def _skip(k: _Chunk, next_plan, args):
@@ -261,55 +285,33 @@ def _skip(k: _Chunk, next_plan, args):
     return in_hbm, stats, pstate, zl, zl, k.zero, next_plan, 0, jnp.zeros_like(in_hbm)
 
 
-def _follow(k: _Chunk, c, valid, in_hbm, stats, pstate, now, mig_h, mig_l, moved):
-    """A `follow` policy's rule at every step: promote the blocks this step reads from host that
-    the admit rule takes (the read carries them over the link: an HBM write each, and the read
-    is a host read), demoting, only to make room, the victims the rule picks (unread blocks,
-    lowest (in target, expected) first; under admit="value" the least valuable resident blocks,
-    whose reads at this step were HBM reads) -> (in_hbm, now, mig_h, mig_l, moved) with the
-    rule's moves added. Under `lookahead` layer 0 knows its next reads (step c + 1's: in the
-    decode loop they are known once the next token is sampled)."""
+def _rule(k: _Chunk, c, t, valid, in_hbm, stats, pstate, rstate, riding, mig_h, mig_l, moved):
+    """The policy's in-step rule at every step (`jaxkv.placement.admission.admit`, the decode
+    loop's function): it promotes blocks this step reads from host (the read carries them over
+    the link: an HBM write each, and the read is a host read) and demotes the blocks it picks,
+    each charged `demote_cost` x block bytes on each side (`paper_rule_charges`) -> (in_hbm,
+    riding, mig_h, mig_l, moved, rule state) with the rule's moves added. Under `lookahead`
+    layer 0 knows its next reads (step c + 1's: in the decode loop they are known once the
+    next token is sampled)."""
     s, policy = k.setup, k.policy
-    N, b = s.num_blocks, s.block_bytes
+    N = s.num_blocks
+    view = StepView(
+        in_hbm=in_hbm,
+        valid=valid,
+        reads=k.reads_buf[c],
+        room=s.capacity - jnp.sum(in_hbm, axis=-1),
+        step=t,
+        stats=stats,
+        pstate=pstate,
+        ahead=k.reads_buf[c + 1][0] if looks_ahead(policy) else None,
+    )
     budget = policy.budget if policy.budget is not None else N
-    room = s.capacity - jnp.sum(in_hbm, axis=-1)
-    fol = policy.follow
-    r = k.reads_buf[c]
-    steady = imp.steady_choice(stats, r, valid)
-    ahead = k.reads_buf[c + 1][0] if looks_ahead(policy) else None  # layer 0's next reads
-    target, priority, value = fol.inputs(
-        pstate, stats.read_ema, r, stats.decay, steady=steady, ahead=ahead
-    )
-    pro_i, n_p, dem_i, n_d = follow_moves(
-        in_hbm, valid, r, target, priority, room, budget, fol.admit, value
-    )
-    pro, dem = moves_mask(pro_i, n_p, N), moves_mask(dem_i, n_d, N)
+    adm, rstate = admit(policy.rule, rstate, view, budget)
+    pro, dem = adm.masks(N)
     in_hbm = (in_hbm | pro) & ~dem
-    now = now | pro
-    n_dem = jnp.sum(dem, -1).astype(jnp.float32)
-    mig_h = mig_h + b * (jnp.sum(pro, -1) + s.demote_cost * n_dem)
-    mig_l = mig_l + b * s.demote_cost * n_dem
-    moved = moved + jnp.sum(n_p) + jnp.sum(n_d)
-    return in_hbm, now, mig_h, mig_l, moved
-
-
-def _latency(s: Setup, t, r, in_hbm, now, mig_h, mig_l):
-    """Step t's latency per layer ([L] seconds, `cost.layer_step_time`) and its HBM and total
-    placed-block reads ([L] each); `now` marks the reads that carried a promotion (host reads)."""
-    b = s.block_bytes
-    n_hbm = jnp.sum(r & in_hbm & ~now, axis=-1).astype(jnp.float32)
-    n_all = jnp.sum(r, axis=-1).astype(jnp.float32)
-    tail = s.token_bytes * ((s.prompt_len + t) % s.block_size + 1)
-    lat = cost.layer_step_time(
-        b * n_hbm + tail,
-        b * (n_all - n_hbm),
-        profile=s.link_profile,
-        weight_bytes=s.weight_bytes,
-        hbm_write_bytes=float(s.token_bytes),
-        hbm_migration_bytes=mig_h,
-        link_migration_bytes=mig_l,
-    )
-    return lat, n_hbm, n_all
+    mh, ml = paper_rule_charges(pro, dem, s.block_bytes, s.demote_cost)
+    moved = moved + jnp.sum(adm.num_promote) + jnp.sum(adm.num_demote)
+    return in_hbm, riding | pro, mig_h + mh, mig_l + ml, moved, rstate
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

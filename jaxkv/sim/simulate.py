@@ -499,11 +499,12 @@ def _rows(pols: dict, rep: Replay, setup: Setup, timings: dict, dual_wall, n_ste
             plan_seconds=per_plan * a["plans"],
             sim_seconds=a["wall"],
         )
-        if p.follow is not None:
-            # the per-step rule, not charged in vs_unlimited_with_plan: it runs on the layer's
+        if p.rule is not None:
+            # the in-step rule, not charged in vs_unlimited_with_plan: it runs on the layer's
             # critical path in the decode loop, here timed once per step for all layers
             out[n]["rule_seconds"] = per_rule * n_steps
-            out[n]["follow_admit"] = p.follow.admit
+            if hasattr(p.rule, "admit"):  # a Follow rule
+                out[n]["follow_admit"] = p.rule.admit
         if _ride(p) is not None:
             out[n]["ride"] = float(_ride(p))
         if p.needs_values:

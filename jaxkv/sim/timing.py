@@ -13,7 +13,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxkv.placement.policies import Observation, follow_moves, moves_mask
+from jaxkv.placement.admission import StepView, admit
+from jaxkv.placement.policies import Observation
 from jaxkv.sim.replay import Setup, SimState
 
 
@@ -29,7 +30,7 @@ def plan_timing(
         if measure and plans[n]:
             per_plan = time_plan(p, states[n], setup, reads_buf, n_steps - 1)
         per_rule = None
-        if p.follow is not None:
+        if p.rule is not None:
             per_rule = time_rule(p, states[n], setup, reads_buf, n_steps - 1) if measure else 0.0
         out[n] = (per_plan, per_rule)
     return out
@@ -75,23 +76,25 @@ def observation(policy, state: SimState, setup: Setup, reads_buf, t) -> Observat
 
 
 def time_rule(policy, state: SimState, setup: Setup, reads_buf, t, repeats: int = 5) -> float:
-    """Seconds of one compiled `follow_moves` over all layers (a `follow` policy's per-step
-    rule) on the run's last state (best of `repeats`)."""
+    """Seconds of one compiled step of the policy's in-step rule over all layers
+    (`jaxkv.placement.admission.admit`) on the run's last state (best of `repeats`)."""
     valid = _valid(setup, state, t)
     budget = policy.budget if policy.budget is not None else setup.num_blocks
-    n = setup.num_blocks
 
-    fol, decay = policy.follow, state.stats.decay
-
-    def rule(in_hbm, reads, pstate, read_ema):
-        room = setup.capacity - jnp.sum(in_hbm, axis=-1)
-        target, priority, value = fol.inputs(pstate, read_ema, reads, decay)
-        p, n_p, d, n_d = follow_moves(
-            in_hbm, valid, reads, target, priority, room, budget, fol.admit, value
+    def rule(in_hbm, reads, pstate, stats, rstate):
+        view = StepView(
+            in_hbm=in_hbm,
+            valid=valid,
+            reads=reads,
+            room=setup.capacity - jnp.sum(in_hbm, axis=-1),
+            step=jnp.int32(t),
+            stats=stats,
+            pstate=pstate,
         )
-        return (in_hbm | moves_mask(p, n_p, n)) & ~moves_mask(d, n_d, n)
+        adm, _ = admit(policy.rule, rstate, view, budget)
+        return adm.apply(in_hbm)
 
-    args = (state.in_hbm, reads_buf[0], state.pstate, state.stats.read_ema)
+    args = (state.in_hbm, reads_buf[0], state.pstate, state.stats, state.rule)
     return _best(jax.jit(rule), args, repeats)
 
 

@@ -41,8 +41,8 @@ MODULES = (
 PROMPT = 2048
 POLICIES = (
     ("static", 1),
-    ("lru", 1),
-    ("lru", 16),
+    ("lru-plan", 1),
+    ("lru-plan", 16),
     ("anneal", 16),
     ("anneal+reuse+follow", 16),
     ("lrfu", 16),
@@ -86,7 +86,7 @@ def main() -> None:
         return Decoder(model, cfg, placement, max_new_tokens=n + 4, profile=args.profile)
 
     t0 = time.perf_counter()
-    rec_dec = decoder("lru", 1)
+    rec_dec = decoder("lru-plan", 1)
     pre = rec_dec.model_prefill(params, ids)
     jax.block_until_ready(pre)
     print(f"prefill of {B} x {PROMPT} tokens: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -116,7 +116,7 @@ def main() -> None:
         rows[(policy, w)] = (tps, tps / (1 + share), got["hbm_hit_rate"], plan_s, share)
         print(f"  {policy} W {w}: {tps:,.0f} tok/s, +plan {tps / (1 + share):,.0f}", flush=True)
     one = " (one prompt)" if args.same else ""
-    base = max(rows[("static", 1)][1], *(r[1] for (p, _), r in rows.items() if p == "lru"))
+    base = max(rows[("static", 1)][1], *(r[1] for (p, _), r in rows.items() if p == "lru-plan"))
     print(
         f"\nSmolLM2-135M, batch {B} x {PROMPT} prompt tokens{one}, {n} steps, sparse top 25%, HBM "
         f"{args.hbm:.0%} ({cfg.hbm_slots} of {cfg.total_blocks} blocks), {args.profile}; jax "

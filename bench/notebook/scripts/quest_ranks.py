@@ -65,7 +65,7 @@ def record_bench():
     import bench_decode as bd
 
     argv = ["--shape", "mh", "--contexts", "8192", "--steps", "24", "--window", "8"]
-    args = bd.parse_args([*argv, "--modes", "sparse", "--policies", "lru"])
+    args = bd.parse_args([*argv, "--modes", "sparse", "--policies", "lru-plan"])
     n = args.warmup + args.steps
     model = bd.build_model(args, 8192 + n + 2 + bd.MARGIN)
     [(_, frac, placement, _)] = [x for x in bd.cases(args) if not x[0].startswith("all-hbm")]
@@ -92,7 +92,7 @@ def record_real():
     cfg = CacheConfig.for_model(
         model.config, batch=1, max_len=2048 + 64, block_size=16, hbm_fraction=0.25
     )
-    placement = PlacementConfig(policy="lru", window=1, attention="sparse")
+    placement = PlacementConfig(policy="lru-plan", window=1, attention="sparse")
     dec = Decoder(model, cfg, placement, max_new_tokens=64, profile="h200-pcie")
     return _record(dec, params, dec.prefill(params, ids[None]), 63)
 
