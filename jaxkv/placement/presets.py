@@ -134,8 +134,10 @@ LRFU_KNOBS = ("prompt_prior", "steady_queries", "lookahead")
 
 def split_policies(text: str, label: str = "--policies") -> list[str]:
     """The policy names of a comma-separated list, split at top-level commas only, so
-    "static,paper-sa[10,0.5]" is two names; blanks dropped. Raises ValueError naming `label` on
-    unbalanced brackets. The names themselves are checked by `split_name`."""
+    "static,paper-sa[10,0.5]" is two names, each stripped of spaces; [] for a list of blanks
+    only (the caller says what it expected). Raises ValueError naming `label` on unbalanced
+    brackets and on an empty item ("static,,lru": a name left out or a stray comma). The names
+    themselves are checked by `split_name`."""
     names, depth, start = [], 0, 0
     for i, ch in enumerate(text):
         depth += {"[": 1, "]": -1}.get(ch, 0)
@@ -147,7 +149,16 @@ def split_policies(text: str, label: str = "--policies") -> list[str]:
     if depth != 0:
         raise ValueError(f"{label}={text!r}: unbalanced brackets (expected e.g. paper-sa[10,0.5])")
     names.append(text[start:])
-    return [n.strip() for n in names if n.strip()]
+    names = [n.strip() for n in names]
+    if not any(names):
+        return []
+    if not all(names):
+        i = names.index("")
+        raise ValueError(
+            f"{label}={text!r}: item {i + 1} of {len(names)} is empty (two commas in a row, or "
+            "one at an end): expected comma-separated policy names, e.g. static,lru"
+        )
+    return names
 
 
 def split_name(name: str) -> tuple[str, tuple[str, ...]]:
@@ -167,6 +178,12 @@ def split_name(name: str) -> tuple[str, tuple[str, ...]]:
         raise ValueError(
             f"policy {name!r}: modifiers (+{', +'.join(mods)}) apply to anneal and "
             f"anneal-oracle only, not {base!r} {hint}"
+        )
+    twice = sorted({m for m in mods if mods.count(m) > 1})
+    if twice:
+        raise ValueError(
+            f"policy {name!r}: +{twice[0]} is given {mods.count(twice[0])} times: expected each "
+            "modifier once"
         )
     bad = [m for m in mods if m not in MODIFIERS]
     if bad:
@@ -426,3 +443,52 @@ def _forecaster(k: dict, oracles):
             )
         forecast = Now(forecast)
     return forecast
+
+
+# which kind each base is, for `describe`: the live policy README recommends, other online
+# policies a decode can run, oracles (the simulator only: they read the future) and bounds
+LIVE = "lrfu"
+_ORACLE_KNOBS = ("tail", "tail_value", "tail_decay", "overflow_value", "overflow_link_ratio")
+_ONLINE_ANNEAL_KNOBS = tuple(
+    k for k in KNOBS if k not in ("name", "forecast", "learned", "now", "dual", *_ORACLE_KNOBS)
+)
+
+
+def describe() -> list[dict]:
+    """Every base policy name, for people (`jaxkv policies`) and tools: a list of
+    dict(name, kind, doc, knobs, modifiers), in `BASES` order.
+
+    kind: "live" (the policy to use in a decode), "online" (a decode can run it), "oracle"
+    (reads the future: the simulator only) or "bound" (not a placement). doc: one line. knobs:
+    {knob: default} a caller may set (`resolve`'s overrides; paper-sa's W and R and page's
+    blocks per page are written in the name or set through `Settings`). modifiers: {"+name":
+    what it does} the base takes. Callers depend on these keys only, not on this module's
+    tables, which may change."""
+    lrfu = Lrfu()
+    out = []
+    for name, b in BASES.items():
+        kind = "live" if name == LIVE else "online" if b.online else "oracle"
+        knobs: dict[str, Any] = {}
+        if name == "unlimited":
+            kind = "bound"
+        elif name == "lrfu":
+            knobs = {k: getattr(lrfu, k) for k in LRFU_KNOBS}
+        elif name == "anneal":
+            knobs = {k: KNOBS[k] for k in _ONLINE_ANNEAL_KNOBS}
+        elif name == "anneal-oracle":
+            knobs = {k: KNOBS[k] for k in _ONLINE_ANNEAL_KNOBS + _ORACLE_KNOBS}
+            knobs["tail"] = Settings().oracle_tail
+        elif name == "paper-sa":
+            knobs = {"W (paper-sa[W,R])": 10, "R (paper-sa[W,R])": 0.5}
+        elif name == "page":
+            knobs = {"page_blocks (Settings)": "16 tokens' worth"}
+        out.append(
+            dict(
+                name=name,
+                kind=kind,
+                doc=b.doc,
+                knobs=knobs,
+                modifiers={f"+{m}": MODIFIERS[m][0] for m in b.modifiers},
+            )
+        )
+    return out
