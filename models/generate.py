@@ -114,6 +114,11 @@ def check_model_spec(spec: str, label: str = "model") -> None:
 
     if spec == "default" or spec in named.MODELS:
         return
+    if not spec:
+        raise ValueError(
+            f"{label}='': expected 'default', a named model ({', '.join(sorted(named.MODELS))}), "
+            "a checkpoint folder or a .gguf file"
+        )
     p = Path(spec)
     if p.is_dir() or (p.is_file() and gguf_io.is_gguf(p)):
         return
