@@ -281,7 +281,7 @@ def check_request(r: Request, label=lambda name: name) -> None:
                 f"with {'it' if one else 'them'}, or {'no' if one else 'neither'} "
                 f"{given[0] if one else 'of them'}"
             )
-    hbm_capacity(dataclasses.asdict(r), label)
+    hbm_capacity({k: getattr(r, k) for k in HBM_KEYWORDS}, label)
     if isinstance(r.policy, str):
         check_live_policy(r.policy, label("policy"))
     else:
@@ -347,7 +347,7 @@ def start(r: Request, *, progress=None) -> tuple[Stream, dict]:
         block_size=16,
         fp8=r.fp8,
         fp8_age=r.fp8_age,
-        **hbm_capacity(dataclasses.asdict(r)),
+        **hbm_capacity({k: getattr(r, k) for k in HBM_KEYWORDS}),
     )
     sampler = Greedy() if r.temperature == 0 else Sampling(r.temperature, r.top_k, r.top_p)
     stop = stop_ids(r.model)

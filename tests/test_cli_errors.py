@@ -518,8 +518,9 @@ def test_policies_lists_each_with_its_kind_line_and_knobs(capsys):
     assert re.search(r"^lrfu\s+live\s+\S", out, re.M)
     assert re.search(r"^anneal-oracle\s+oracle\s+", out, re.M)
     assert re.search(r"^unlimited\s+bound\s+", out, re.M)
-    assert "knobs: prompt_prior=True, steady_queries=128, lookahead=True" in out
-    assert "+follow a target followed per step" in " ".join(out.split())
+    words = " ".join(out.split())  # lines wrap at the terminal's width
+    assert "knobs: prompt_prior=True, steady_queries=128, lookahead=True" in words
+    assert "+follow a target followed per step" in words
 
 
 def test_models_lists_each_with_size_and_source(capsys, monkeypatch, tmp_path):
