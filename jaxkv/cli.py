@@ -27,6 +27,7 @@ import _thread
 import argparse
 import contextlib
 import importlib
+import json
 import os
 import signal
 import socket
@@ -40,6 +41,20 @@ INTERRUPT_GRACE_S = 2.0  # the watchdog's wait for the main thread after Ctrl-C
 _REDELIVER_S = 0.05  # a KeyboardInterrupt lost in a gc callback is raised again this much later
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 _TEMPS: set[str] = set()  # temporary output files being written (`atomic_output`)
+_HELD: dict[int, object] = {}  # output held back from stdout (`held_output`), by id
+
+
+@contextlib.contextmanager
+def held_output(pending):
+    """While inside, `pending()` (the text a command has decided to print but holds back, e.g.
+    a partial line bound for a pipe) is written to stdout if the watchdog ends the process
+    after Ctrl-C (its main thread stuck in a computation), so no output is lost there. Python's
+    own path (KeyboardInterrupt) is the command's to handle."""
+    _HELD[id(pending)] = pending
+    try:
+        yield
+    finally:
+        _HELD.pop(id(pending), None)
 
 
 @contextlib.contextmanager
@@ -169,6 +184,9 @@ def _start_watchdog(command: str, handled: threading.Event):
         for tmp in list(_TEMPS):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+        for pending in list(_HELD.values()):
+            with contextlib.suppress(Exception):
+                os.write(1, (pending() or "").encode())
         # a progress bar left mid-line: cleared on a terminal, its line ended in a log or pipe
         os.write(2, (_end_line(sys.stderr) + _interrupted_line(command) + "\n").encode())
         os._exit(EXIT_INTERRUPTED)
@@ -182,7 +200,7 @@ def _start_watchdog(command: str, handled: threading.Event):
     return stop
 
 
-_BUILTIN = {"simulate": "jaxkv.sim.cli"}
+_BUILTIN = {"simulate": "jaxkv.sim.cli", "policies": "jaxkv.cli"}
 
 
 def _plugins() -> dict[str, str]:
@@ -191,19 +209,167 @@ def _plugins() -> dict[str, str]:
     return {**found, **_BUILTIN}
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default after its help ("(default: 16)") unless the help says it
+    already or there is none to show (None, a flag's False)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        d = action.default
+        shown = "default" in text or "%(default)" in text
+        if shown or d is None or d is False or d is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line (exit status 2), pointing to --help,
+    and whose help shows the defaults (`HelpFormatter`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# help for options a plugin left without any (jaxkv.sim.cli's), so that every option of every
+# command says what it does; a plugin's own help wins
+_FALLBACK_HELP = {
+    "simulate": {
+        "--sparsity": "share of each step's blocks not read (0.6: the top 40%% are read)",
+        "--block-size": "tokens per block of a synthetic trace (default: 16)",
+        "--prompt-len": "prompt tokens of a synthetic trace",
+        "--steps": "decode steps of a synthetic trace",
+        "--layers": "layers of a synthetic trace",
+        "--profile": "hardware profile the cost model prices (jaxkv.config.PROFILES)",
+        "--chunk": "steps replayed per compiled chunk (progress and memory, not results)",
+        "--demote-cost": "cost of a demotion, in link transfers of one block",
+        "--seed": "seed of the synthetic trace and the annealer",
+        "--json": "print one JSON object instead of the table",
+        "--no-progress": "draw no progress bar",
+    },
+}
+
+
+def _fill_help(command: str, parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        if action.help is None:
+            for opt in action.option_strings:
+                if opt in _FALLBACK_HELP.get(command, {}):
+                    action.help = _FALLBACK_HELP[command][opt]
+
+
+def version() -> str:
+    """'jaxkv X (jax Y)': the installed distribution's version and jax's."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        own = dist_version("jaxkv")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        own = importlib.import_module("jaxkv").__version__
+    try:
+        jax = dist_version("jax")
+    except PackageNotFoundError:
+        jax = "not installed"
+    return f"jaxkv {own} (jax {jax}, Python {sys.version.split()[0]})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="jaxkv", description="Tiered HBM + host KV cache placement for JAX decoding."
+    parser = Parser(
+        prog="jaxkv",
+        description="A paged KV cache split over HBM and host memory for JAX decoding: decode "
+        "a model over it, replay traces through placement policies, list what is there.",
+        epilog="`jaxkv COMMAND --help` shows a command's options and their defaults.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    for _, module in sorted(_plugins().items()):
+    parser.add_argument("--version", action="version", version=version())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in sorted(_plugins().items()):
         importlib.import_module(module).add_cli(sub)
+        if name in sub.choices:
+            _fill_help(name, sub.choices[name])
     return parser
 
 
+# ---- jaxkv policies -------------------------------------------------------------------------
+
+KIND_WORDS = {
+    "live": "the policy to use in a decode",
+    "field": "the field's rules in the step, the baselines (a decode can run them)",
+    "online": "a decode can run it",
+    "oracle": "reads the future: the simulators only (jaxkv simulate, bench/loop_traces.py)",
+    "bound": "not a placement: jaxkv simulate's bound",
+}
+
+
+def _knob(value) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def format_policies(rows: list[dict]) -> str:
+    """`jaxkv policies`'s text: one line per policy (name, kind, what it does), its modifiers
+    and knobs (defaults) below it, then what the kinds mean."""
+    import shutil
+    import textwrap
+
+    cols = max(60, min(120, shutil.get_terminal_size((100, 24)).columns))
+    width = max(len(r["name"]) for r in rows)
+    pad = " " * (width + 10)
+    lines = []
+    for r in rows:
+        lines.append(f"{r['name']:<{width}}  {r['kind']:<6}  {r['doc']}")
+        if r["modifiers"]:
+            mods = "; ".join(f"{m} {d}" for m, d in r["modifiers"].items())
+            lines += textwrap.wrap(
+                f"modifiers: {mods}", cols, initial_indent=pad, subsequent_indent=pad + "  "
+            )
+        if r["knobs"]:
+            knobs = ", ".join(f"{k}={_knob(v)}" for k, v in r["knobs"].items())
+            lines += textwrap.wrap(
+                f"knobs: {knobs}", cols, initial_indent=pad, subsequent_indent=pad + "  "
+            )
+    kinds = "; ".join(f"{k}: {w}" for k, w in KIND_WORDS.items())
+    note = (
+        "A name with modifiers reads e.g. anneal+reuse+follow. Knobs are set by "
+        "Decoder(policy_kwargs={...}) or simulate(policy_kwargs={label: {...}}); a policy "
+        "object (module:attribute) runs wherever a name does. docs/policies.md says more."
+    )
+    return "\n".join([*lines, "", *textwrap.wrap(kinds, cols), *textwrap.wrap(note, cols)])
+
+
+def _policies_cmd(args) -> int:
+    import jaxkv.sim  # noqa: F401  (the simulator's oracles register their names)
+    from jaxkv.placement import presets
+
+    rows = presets.describe()
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+    else:
+        print(format_policies(rows))
+    return 0
+
+
+def add_cli(sub) -> None:
+    """Adds `jaxkv policies`."""
+    p = sub.add_parser(
+        "policies",
+        help="list the placement policies: the live one, the others a decode can run, the "
+        "oracles and the bound, each with its knobs",
+        description="The placement policies by name (jaxkv.placement.presets.describe).",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON list instead of the table")
+    p.set_defaults(func=_policies_cmd)
+
+
+# ---- running a command ----------------------------------------------------------------------
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Runs a subcommand: its status; 2 with one error line for a ValueError; 130 with one
-    line for Ctrl-C (the module docstring)."""
+    """Runs a subcommand: its status; 2 with one error line for a ValueError or a usage error;
+    130 with one line for Ctrl-C (the module docstring); 1 with one line for anything else
+    (a bug: $JAXKV_TRACEBACK=1 shows its traceback)."""
     args = build_parser().parse_args(argv)
     handled = threading.Event()
     stop = _start_watchdog(args.command, handled)
@@ -213,8 +379,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ValueError as e:
-        print(f"jaxkv {args.command}: error: {e}", file=sys.stderr)
+        print(f"jaxkv {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`jaxkv ... | head`): nothing more to say
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except Exception as e:
+        if os.environ.get("JAXKV_TRACEBACK"):
+            raise
+        print(
+            f"jaxkv {args.command}: internal error: {type(e).__name__}: {_one_line(e)} (a bug in "
+            "jaxkv: please report it with the command; JAXKV_TRACEBACK=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:
         handled.set()
         _ignore_sigint()  # a second Ctrl-C (or a re-delivered one) cannot cut the line short
@@ -228,6 +407,11 @@ def main(argv: list[str] | None = None) -> int:
         if on_int is not None and signal.getsignal(signal.SIGINT) is not on_int:
             with contextlib.suppress(ValueError):
                 signal.signal(signal.SIGINT, on_int)
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception's message on one line."""
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 if __name__ == "__main__":

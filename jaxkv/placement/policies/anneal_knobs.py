@@ -93,11 +93,14 @@ KNOBS: dict[str, Any] = dict(
 @dataclasses.dataclass(frozen=True)
 class Extension:
     """Knobs a research package adds to `anneal_policy` (`extend_knobs`): their defaults, a
-    check of the merged knobs, and the terminal values they add (`Anneal.values`)."""
+    check of the merged knobs, the terminal values they add (`Anneal.values`), and whether an
+    online policy may set them (a forecaster's parameters) or only an oracle (the oracles'
+    terminal values)."""
 
     knobs: dict
     check: Callable[[dict], None]
     values: Callable[[dict], list]
+    online: bool = False
 
 
 _EXTENSIONS: dict[str, Extension] = {}
@@ -108,17 +111,19 @@ def register_forecast(name: str, build: Callable[[dict], Any]) -> None:
     FORECASTS[name] = build
 
 
-def extend_knobs(owner: str, knobs: dict, check, values) -> None:
+def extend_knobs(owner: str, knobs: dict, check, values, online: bool = False) -> None:
     """Adds `knobs` (name -> default) to `anneal_policy` (`Extension`); `owner` names the
     extension (registering it again replaces it)."""
-    _EXTENSIONS[owner] = Extension(dict(knobs), check, values)
+    _EXTENSIONS[owner] = Extension(dict(knobs), check, values, online)
 
 
-def all_knobs() -> dict[str, Any]:
-    """`KNOBS` and every extension's, with their defaults."""
+def all_knobs(online_only: bool = False) -> dict[str, Any]:
+    """`KNOBS` and every extension's (an online policy's only, with `online_only`), with their
+    defaults."""
     out = dict(KNOBS)
     for ext in _EXTENSIONS.values():
-        out.update(ext.knobs)
+        if ext.online or not online_only:
+            out.update(ext.knobs)
     return out
 
 
@@ -228,6 +233,6 @@ registry.register(
     doc="simulated annealing over block placements, planned every W steps (online forecast)",
     build=_build_anneal,
     modifiers=MODIFIERS,
-    knobs=lambda: {k: v for k, v in all_knobs().items() if k != "name"},
+    knobs=lambda: {k: v for k, v in all_knobs(online_only=True).items() if k != "name"},
     check=_check_anneal,
 )
