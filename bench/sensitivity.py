@@ -141,7 +141,9 @@ def rows_capacity(base, quick):
     for f in (0.2, 0.4) if quick else (0.1, 0.25, 0.4, 0.6, 0.9):
         for p in ("static", "lru-plan", "paper-sa[10,1.0]", "anneal"):
             s = dataclasses.replace(base, pool=f)
-            rows.append(Row(f"{f:.0%} {p}", f"{f:.0%}", p, s, f, p, plot=p in ("lru-plan", "anneal")))
+            rows.append(
+                Row(f"{f:.0%} {p}", f"{f:.0%}", p, s, f, p, plot=p in ("lru-plan", "anneal"))
+            )
     return rows
 
 

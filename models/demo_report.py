@@ -54,6 +54,11 @@ def gap_closed(report: dict) -> str:
         return said
     name, base = best
     gap = limit - base
+    if gap <= 0:
+        return said + (
+            f"; Belady's schedule is no faster than the best field rule ({name}) here: its "
+            "promotions' HBM writes cost more than the host reads they save"
+        )
     if gap <= 0.01 * limit:
         return said + f"; the best field rule ({name}) is within 1% of Belady's"
     closed = [

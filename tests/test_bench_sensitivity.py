@@ -131,7 +131,9 @@ def test_settings_reach_the_policy():
     assert (aw.interval, aw.budget, aw.compensate) == (0, 16, Compensate(0.3, 0))
     trace = sens.tr.SyntheticTrace("recency-low", 64, 4, 1, 16, 0)
     kw = dict(profile=PROFILES["gh200-paper"], geometry=sens.cost.get_geometry("paper"))
-    with pytest.raises(ValueError, match=r"policy_kwargs\['lru-plan'\]: expected one of the anneal"):
+    with pytest.raises(
+        ValueError, match=r"policy_kwargs\['lru-plan'\]: expected one of the anneal"
+    ):
         sim.simulate(trace, ["lru-plan"], sparsity=0.5, policy_kwargs={"lru-plan": {}}, **kw)
     with pytest.raises(ValueError, match=r"\['nope'\] are not anneal knobs"):
         sim.simulate(trace, ["anneal"], sparsity=0.5, policy_kwargs={"anneal": {"nope": 1}}, **kw)

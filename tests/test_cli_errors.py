@@ -80,7 +80,11 @@ def error(capsys, argv) -> str:
         ("--policies", ",", "--policies=',': expected comma-separated policy names"),
         ("--policies", "lru-plan+aw", "--policies: policy 'lru-plan+aw': modifiers (+aw) apply to"),
         ("--policies", "static,paper-sa[10,0.5", "--policies='static,paper-sa[10,0.5': unbalanced"),
-        ("--policies", "lru-plan,paper-sa[0,0.5]", "policy 'paper-sa[0,0.5]': expected paper-sa[W,R]"),
+        (
+            "--policies",
+            "lru-plan,paper-sa[0,0.5]",
+            "policy 'paper-sa[0,0.5]': expected paper-sa[W,R]",
+        ),
         ("--trace", "synthetic:zipf", "--trace='synthetic:zipf': unknown synthetic trace 'zipf'"),
     ],
 )
@@ -364,7 +368,10 @@ def test_trace_out_not_writable(capsys, no_work, prompt_file, tmp_path, monkeypa
         (["--profile", "tpu"], "--profile='tpu': unknown hardware profile; expected one of"),
         (["--policies", ","], "--policies=',': expected comma-separated policy names"),
         (["--policies", "static,nope"], "--policies='nope': unknown policy 'nope'"),
-        (["--policies", "lru-plan+now"], "--policies='lru-plan+now': +now plans with the step's own"),
+        (
+            ["--policies", "lru-plan+now"],
+            "--policies='lru-plan+now': +now plans with the step's own",
+        ),
     ],
 )
 def test_demo_option_checked_first(capsys, no_work, args, expected):

@@ -97,7 +97,8 @@ def test_any_placement_gives_all_hbm_tokens(
 
 
 @pytest.mark.parametrize(
-    "policy,window", [("lru-plan", 3), pytest.param("anneal+reuse+follow", 4, marks=pytest.mark.slow)]
+    "policy,window",
+    [("lru-plan", 3), pytest.param("anneal+reuse+follow", 4, marks=pytest.mark.slow)],
 )
 def test_pallas_transfers_match_xla_and_all_hbm(tiny, policy, window):
     """fetch="pallas": host reads, spills and migrations through the Pallas gather / scatter
@@ -744,7 +745,10 @@ def test_decoders_start_from_one_shared_prefill(tiny, all_hbm_tokens):
     first = Decoder(model, _cfg(model, hbm_fraction=1.0), PlacementConfig(), max_new_tokens=NEW)
     pre = first.model_prefill(params, prompts, PROMPT_LENS)
     other = Decoder(
-        model, _cfg(model, hbm_fraction=0.25), PlacementConfig(policy="lru-plan"), max_new_tokens=NEW
+        model,
+        _cfg(model, hbm_fraction=0.25),
+        PlacementConfig(policy="lru-plan"),
+        max_new_tokens=NEW,
     )
     state = other.generate(params, other.prefill(params, prompts, PROMPT_LENS, prefilled=pre))
     np.testing.assert_array_equal(np.asarray(state.tokens), all_hbm_tokens)

@@ -198,8 +198,8 @@ import jaxkv.decode.decoder, jaxkv.cache, jaxkv.attention, jaxkv.decode.sharded
 import jaxkv.placement.presets as pr
 from jaxkv.cost import CostModel
 import jaxkv.placement.registry as reg
-names = ("static", "lru-plan", "lrfu", "anneal", "anneal+reuse", "anneal+reuse+follow", "anneal+aw+ec")
-names += ("lru", "arc", "slru", "lfu", "tinylfu")
+names = ("static", "lru-plan", "lrfu", "anneal", "anneal+reuse", "anneal+reuse+follow")
+names += ("anneal+aw+ec", "lru", "arc", "slru", "lfu", "tinylfu")
 for name in names:
     pr.resolve(name, CostModel())
 reg.describe()

@@ -152,7 +152,9 @@ def test_lrfu_in_the_trace_simulator():
     prof = HardwareProfile("t", 10.0, 1.0, 1e9)  # bytes per second: HBM 10, link 1
     geo = cost.Geometry("t", 1, 1, 1, 2, 10.0, 0.0)  # 4 bytes per token-layer
     kw = dict(profile=prof, geometry=geo, sparsity=0.5, capacity_blocks=3, chunk=8, steps=16)
-    res = sim.simulate(trace, ["static", "lru-plan", "lrfu"], progress=False, time_plans=False, **kw)
+    res = sim.simulate(
+        trace, ["static", "lru-plan", "lrfu"], progress=False, time_plans=False, **kw
+    )
     got = res["policies"]
     assert got["lrfu"]["hbm_hit_rate"] > got["static"]["hbm_hit_rate"]
     assert got["lrfu"]["migrated_bytes"] > 0 and got["lrfu"]["follow_admit"] == "value"

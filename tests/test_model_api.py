@@ -339,7 +339,9 @@ def test_decode_must_return_logits_and_carry():
 @pytest.fixture(scope="module")
 def decoded():
     """(a decoder, a state it consumed, the state it returned), at 25% HBM."""
-    dec = Decoder(MODEL, _cache(0.25), PlacementConfig(policy="lru-plan", window=3), max_new_tokens=4)
+    dec = Decoder(
+        MODEL, _cache(0.25), PlacementConfig(policy="lru-plan", window=3), max_new_tokens=4
+    )
     first = dec.prefill(PARAMS, _prompts(), LENGTHS)
     return dec, first, dec.generate(PARAMS, first)
 
@@ -352,7 +354,9 @@ def test_a_donated_state_is_named(decoded):
 
 def test_a_state_of_another_geometry_is_named(decoded):
     _, _, state = decoded
-    other = Decoder(MODEL, _cache(0.25, block_size=16), PlacementConfig(policy="lru-plan", window=3))
+    other = Decoder(
+        MODEL, _cache(0.25, block_size=16), PlacementConfig(policy="lru-plan", window=3)
+    )
     msg = "Decoder.step: the state comes from another Decoder, whose cache config has block_size=8"
     with pytest.raises(ValueError, match=re.escape(msg)):
         other.step(PARAMS, state)
@@ -360,7 +364,9 @@ def test_a_state_of_another_geometry_is_named(decoded):
 
 def test_a_state_of_another_length_is_named(decoded):
     _, _, state = decoded
-    other = Decoder(MODEL, _cache(0.25), PlacementConfig(policy="lru-plan", window=3), max_new_tokens=9)
+    other = Decoder(
+        MODEL, _cache(0.25), PlacementConfig(policy="lru-plan", window=3), max_new_tokens=9
+    )
     msg = "Decoder.with_window: state.sampling.tokens has shape (2, 4) and dtype int32, this "
     with pytest.raises(ValueError, match=re.escape(msg)):
         other.with_window(state, 2)

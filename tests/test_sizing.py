@@ -106,7 +106,9 @@ def test_batch_1_gives_the_figures_from_before_batches():
         time_plans=False,
     )
     for batch in ({}, {"batch": 1}):
-        res = sim.simulate(random_block_trace(5), ["static", "lru-plan", "unlimited"], **kw, **batch)
+        res = sim.simulate(
+            random_block_trace(5), ["static", "lru-plan", "unlimited"], **kw, **batch
+        )
         got = {
             n: [v["latency_s"], v["hbm_hit_rate"], v["migrated_bytes"], v["tokens_per_s"]]
             for n, v in res["policies"].items()

@@ -72,6 +72,7 @@ from jaxkv.decode.state import (
 )
 from jaxkv.model_api import bind, check_model, has_first_query
 from jaxkv.placement.admission import rule_budget, rule_state
+from jaxkv.placement.charging import loop_free_promotions
 from jaxkv.placement.observation import layer_windows, placeable
 from jaxkv.placement.policies import looks_ahead, plans
 
@@ -479,7 +480,7 @@ class Decoder:
             if follow:
                 fol, rstate = fl.follow_layer(
                     cache, layer, st, staged, pstate, rstate, fol, stats, step,
-                    num_blocks=B * M, rule=rule,
+                    num_blocks=B * M, rule=rule, slack_of=self._slack_of,
                 )  # fmt: skip
             if staged0 is not None:
                 staged0 = fl.keep_first(staged0, layer, staged)
@@ -522,6 +523,14 @@ class Decoder:
             promoted,
             demoted,
             link_mig,
+        )
+
+    def _slack_of(self, hbm_b, host_b):
+        """[rows] int32: the promotions a layer's step hides under its link time, from its
+        reads' bytes (`jaxkv.placement.charging.loop_free_promotions`, the simulators' own;
+        under a sharded decode with per-device links, this decoder's profile)."""
+        return loop_free_promotions(
+            self.cache_config, self.profile, self.weight_bytes_per_layer, hbm_b, host_b
         )
 
     def _layer_windows(self):

@@ -30,6 +30,7 @@ from jaxkv.attention.tiered import AttentionStats, fetch_host_blocks, staging_bl
 from jaxkv.config import TIER_HBM, CacheConfig
 from jaxkv.model_api import bind
 from jaxkv.placement.admission import StepView, admit
+from jaxkv.placement.charging import read_bytes
 
 
 @pytree_dataclass
@@ -61,7 +62,7 @@ def empty_follow_moves(c: CacheConfig, max_moves: int) -> FollowMoves:
 
 def follow_layer(
     cache, layer, st, staged, pstate, rstate, fol: FollowMoves, stats, step, *, num_blocks,
-    rule, ahead=None,
+    rule, slack_of, ahead=None,
 ):  # fmt: skip
     """The policy's in-step rule for one layer (traced `layer`) after its read
     (`jaxkv.placement.admission.admit`, the function the simulators run): the promotions and
@@ -78,6 +79,8 @@ def follow_layer(
       step: [] int32, the decode step.
       num_blocks: N = batch * max_blocks.
       rule: the policy's `rule`.
+      slack_of: (hbm bytes [1], host bytes [1]) -> [1] int32, the promotions the layer's step
+        hides (`jaxkv.placement.charging.loop_free_promotions` under the decoder's profile).
       ahead: [N] bool, the blocks layer 0 reads at the next step (`look_ahead`), or None.
 
     Returns:
@@ -85,6 +88,7 @@ def follow_layer(
     N = num_blocks
     K = fol.promote.shape[1]
     sealed = cache.sealed[layer].reshape(1, N)
+    hbm_b, host_b = read_bytes(cache.config, st.read_hbm[None], st.read_host[None], cache.lengths)
     view = StepView(
         in_hbm=sealed & (cache.tier[layer].reshape(1, N) == TIER_HBM),
         valid=sealed,
@@ -95,6 +99,7 @@ def follow_layer(
         pstate=pstate,
         layer=layer,
         ahead=ahead,
+        slack=slack_of(hbm_b, host_b),
     )
     adm, rstate = admit(rule, rstate, view, K)
     sk, sv, stable = staged
@@ -177,6 +182,6 @@ def look_ahead(dec, params, state, cache, scanned, sampled):
         fol, _ = follow_layer(
             cache, 0, st, tuple(b[0] for b in staged0), state.placement.policy,
             state.placement.rule, fol, state.statistics.blocks, state.sampling.step,
-            num_blocks=N, rule=dec.policy.rule, ahead=ahead.reshape(N),
+            num_blocks=N, rule=dec.policy.rule, slack_of=dec._slack_of, ahead=ahead.reshape(N),
         )  # fmt: skip
     return ahead, fol

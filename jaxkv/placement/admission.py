@@ -62,6 +62,9 @@ class StepView:
     # [rows, N] int32: the next step at which each block is read after this one (NEVER_READ if
     # none): the future, which only the simulators know (oracle rules: `Belady`)
     next_use: jax.Array | None = None
+    # [rows] int32: the promotions whose HBM writes this step's link time hides
+    # (`jaxkv.placement.charging.free_promotions`; lrfu's `slack` caps its admissions at it)
+    slack: jax.Array | None = None
 
     def rows(self, x):
         """Row(s) of an all-layers array `x` ([layers, ...]) that this view covers."""

@@ -82,6 +82,31 @@ def step_latency(
     ).sum()
 
 
+def free_promotions(profile, hbm_bytes, host_bytes, fixed_bytes, block_bytes):
+    """[rows] int32: the promotions whose HBM writes a (step, layer) hides under its link time,
+    floor(max(T_link - T_hbm, 0) x B_hbm / block_bytes) (`jaxkv.cost.layer_step_time`'s two
+    sides before any migration): promoting more lengthens the step by one HBM write each. The
+    in-step rule's slack (`StepView.slack`, lrfu's `slack`).
+
+    Args:
+      profile: bandwidths; hbm_bytes, host_bytes: [rows] the step's reads from each tier;
+      fixed_bytes: HBM bytes it reads and writes besides (weights, the token's write);
+      block_bytes: what one promotion writes to HBM.
+    """
+    t_hbm = (jnp.asarray(hbm_bytes, jnp.float32) + fixed_bytes) / profile.hbm_bandwidth
+    t_link = jnp.asarray(host_bytes, jnp.float32) / profile.link_bandwidth
+    free = jnp.maximum(t_link - t_hbm, 0.0) * (profile.hbm_bandwidth / float(block_bytes))
+    return jnp.floor(free).astype(jnp.int32)
+
+
+def loop_free_promotions(c: CacheConfig, profile, weight_bytes, hbm_b, host_b):
+    """`free_promotions` in the decode loop's accounting: a layer's reads `hbm_b`, `host_b`
+    ([rows] bytes, `read_bytes`), its weights and the tokens' write on the HBM side, a
+    promotion one HBM block's write."""
+    fixed = float(weight_bytes) + token_write_bytes(c)
+    return free_promotions(profile, hbm_b, host_b, fixed, c.hbm_block_bytes)
+
+
 # ---- the paper's -------------------------------------------------------------------------------
 
 

@@ -138,4 +138,3 @@ def describe() -> list[dict]:
             )
         )
     return out
-

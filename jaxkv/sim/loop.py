@@ -67,6 +67,7 @@ from jaxkv.placement.admission import (
 )
 from jaxkv.placement.charging import (
     copied_demotions,
+    loop_free_promotions,
     read_bytes,
     step_latency,
     token_write_bytes,
@@ -366,6 +367,9 @@ def _step(setup: LoopSetup, carry, xs, future=None):
             ahead=ahead.reshape(N) if looks_ahead(policy) else None,
             sealing=jnp.broadcast_to(sealing, (L, N)).reshape(rows),
             next_use=None if next_use is None else next_use.reshape(rows),
+            slack=None
+            if shared
+            else loop_free_promotions(c, setup.profile, setup.weight_bytes, hbm_b, host_b),
         )
         adm, rstate = admit(rule, pl.rule, view, min(setup.budget, rows[1]))
         after = adm.apply(flat.reshape(rows)).reshape(L, N)

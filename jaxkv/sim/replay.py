@@ -29,7 +29,12 @@ from jaxkv.cache.slots import seal_keeps
 from jaxkv.config import HardwareProfile
 from jaxkv.placement import statistics as imp
 from jaxkv.placement.admission import StepView, admit, needs_next_use, rule_state
-from jaxkv.placement.charging import paper_plan_charges, paper_rule_charges, paper_step_time
+from jaxkv.placement.charging import (
+    free_promotions,
+    paper_plan_charges,
+    paper_rule_charges,
+    paper_step_time,
+)
 from jaxkv.placement.policies import Observation, looks_ahead
 from jaxkv.sim.trace import read_mask
 
@@ -295,15 +300,26 @@ def _rule(k: _Chunk, c, t, valid, in_hbm, stats, pstate, rstate, riding, mig_h, 
     next token is sampled)."""
     s, policy = k.setup, k.policy
     N = s.num_blocks
+    r = k.reads_buf[c]
+    n_hbm = jnp.sum(r & in_hbm & ~riding, axis=-1)
+    tail = s.token_bytes * ((s.prompt_len + t) % s.block_size + 1)
+    slack = free_promotions(
+        s.link_profile,
+        s.block_bytes * n_hbm + tail,
+        s.block_bytes * (jnp.sum(r, axis=-1) - n_hbm),
+        s.weight_bytes + s.token_bytes,
+        s.block_bytes,
+    )
     view = StepView(
         in_hbm=in_hbm,
         valid=valid,
-        reads=k.reads_buf[c],
+        reads=r,
         room=s.capacity - jnp.sum(in_hbm, axis=-1),
         step=t,
         stats=stats,
         pstate=pstate,
         ahead=k.reads_buf[c + 1][0] if looks_ahead(policy) else None,
+        slack=slack,
     )
     budget = policy.budget if policy.budget is not None else N
     adm, rstate = admit(policy.rule, rstate, view, budget)

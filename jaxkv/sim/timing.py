@@ -90,6 +90,7 @@ def time_rule(policy, state: SimState, setup: Setup, reads_buf, t, repeats: int 
             step=jnp.int32(t),
             stats=stats,
             pstate=pstate,
+            slack=jnp.full(in_hbm.shape[:1], budget, jnp.int32),  # timed at its widest
         )
         adm, _ = admit(policy.rule, rstate, view, budget)
         return adm.apply(in_hbm)

@@ -13,7 +13,15 @@ from jaxkv.config import CacheConfig, PlacementConfig
 from models.demo import chat_demo_prompt
 from models.generate import load_model
 
-LIVE = ("static", "lru-plan", "lrfu", "anneal", "anneal+reuse", "anneal+follow", "anneal+reuse+follow")
+LIVE = (
+    "static",
+    "lru-plan",
+    "lrfu",
+    "anneal",
+    "anneal+reuse",
+    "anneal+follow",
+    "anneal+reuse+follow",
+)
 
 
 @pytest.mark.slow

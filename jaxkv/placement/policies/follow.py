@@ -25,14 +25,20 @@ FOLLOW_ADMITS_DEFAULT = "ranked"  # against "read" and "target", measured: bench
 @dataclasses.dataclass(frozen=True)
 class Follow:
     """The follow rule; `admit` ("read", "ranked", "target" or "value": `follow_moves`) says
-    which of the step's host reads may displace which resident blocks."""
+    which of the step's host reads may displace which resident blocks. With `slack` a layer
+    admits at most the promotions whose HBM writes its step's link time hides
+    (`StepView.slack`, `jaxkv.placement.charging.free_promotions`): where the step is bound by
+    HBM, a promotion would lengthen it and a host read costs nothing, so none is admitted."""
 
     admit: str = FOLLOW_ADMITS_DEFAULT
+    slack: bool = False
     stateful = False
 
     def __post_init__(self):
         if self.admit not in FOLLOW_ADMITS:
             raise ValueError(f"Follow admit must be one of {FOLLOW_ADMITS}, got {self.admit!r}")
+        if not isinstance(self.slack, bool):
+            raise ValueError(f"Follow slack must be a bool, got {self.slack!r}")
 
     def init(self, rows: int, num_blocks: int):
         return ()
@@ -79,4 +85,13 @@ class Follow:
             admit=self.admit,
             value=value,
         )
+        if self.slack:
+            if view.slack is None:
+                raise ValueError(
+                    "Follow(slack=True) caps the admissions at the step's HBM slack: expected "
+                    "StepView.slack (the executors give it)"
+                )
+            n_p = jnp.minimum(adm.num_promote, view.slack)
+            n_d = jnp.maximum(n_p - jnp.maximum(view.room, 0), 0)
+            adm = dataclasses.replace(adm, num_promote=n_p, num_demote=n_d)
         return adm, state
