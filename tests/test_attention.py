@@ -136,11 +136,13 @@ def test_pallas_attention_matches_xla_in_interpreter(dtype, tol):
     assert int(sa.read_host.sum()) > 0 and int(sa.read_hbm.sum()) > 0
 
 
-def test_compact_attention_matches_the_gathering_reference():
-    """The XLA path gathers only the blocks a part reads (`compact_ids`, `attend_compact`):
-    the same output, log-sum-exp and per-block log-sum-exp as the kernel's pure-jnp reference,
-    which gathers every column of the block table."""
-    from jaxkv.attention.xla import attend_compact, compact_ids
+@pytest.mark.parametrize("form", ["dot", "reduce"])
+def test_pool_attention_matches_the_gathering_reference(form):
+    """The XLA path reads only the blocks a part reads, where they lie (`compact_ids`,
+    `attend_pool`), in both formulations (CPU's dot, GPU's reduce): the same output,
+    log-sum-exp and per-block log-sum-exp as the kernel's pure-jnp reference, which gathers
+    every column of the block table."""
+    from jaxkv.attention.xla import attend_pool, compact_ids
     from pallas_kernels.blocked_attention import blocked_attention_reference
 
     rng = np.random.default_rng(0)
@@ -158,7 +160,9 @@ def test_compact_attention_matches_the_gathering_reference():
     )
     ids = compact_ids(mask, M)
     at = jnp.take_along_axis(table, jnp.maximum(ids, 0), axis=1)
-    got = attend_compact(q, k[at], v[at], ids, lengths, 0.25, M)
+    got = jax.jit(lambda q, at: attend_pool(q, k[at], v[at], ids, lengths, 0.25, M, form=form))(
+        q, at
+    )
     for g, w in zip(got, want, strict=True):
         g, w = np.asarray(g), np.asarray(w)
         assert (np.isfinite(g) == np.isfinite(w)).all()
