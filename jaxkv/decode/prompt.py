@@ -113,9 +113,9 @@ def queries_needed(policy, shared: bool = False) -> int:
 
 def forward_prompts(model, prompts, lengths, windows=None, n=PROMPT_QUERIES) -> Prefilled:
     """`Decoder.model_prefill`'s body: the model's prefill over `prompts` (a `bind` model),
-    the logits after each prompt's last token and the last `n` positions' queries."""
-    logits, k, v = model.prefill(prompts)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    the logits after each prompt's last token (`prefill_at`: the LM head on those rows only,
+    where the model offers it) and the last `n` positions' queries."""
+    last, k, v = model.prefill_at(prompts, lengths - 1)
     q = prompt_queries(model, prompts, lengths, k, v, windows, n)
     return Prefilled(last_logits=last, k=k, v=v, lengths=lengths, queries=q)
 
