@@ -33,8 +33,8 @@ from jaxkv.attention.measured import measured_impl
 from jaxkv.attention.select import select_blocks, window_starts
 from jaxkv.attention.xla import attend_pool, compact_ids
 from jaxkv.cache.layout import TieredKVCache, ring_ids, ring_window
-from jaxkv.cache.layout import read_hbm as read_hbm_blocks
 from jaxkv.cache.layout import read_host as read_host_blocks
+from jaxkv.cache.quant import dequantize
 from jaxkv.cache.transfer import rows_of
 from jaxkv.config import TIER_HBM, TIER_HOST, PlacementConfig
 from pallas_kernels.blocked_attention import (
@@ -153,6 +153,20 @@ def _kernel_part(q, k_pool, v_pool, table, mask, lengths, scale, layer=None, sta
     return AttentionPart(out=out, lse=lse, block_lse=None)
 
 
+def read_layer_blocks(pool, lay, slots, scale=None, dtype=None):
+    """Blocks `pool[lay][slots]` [*slots.shape, block_size, kv_heads, head_dim] (dequantized to
+    `dtype` with `scale` [layers, slots, kv_heads] for an FP8 pool), written as a slice of
+    the layer and a gather within it, which XLA fuses into the attention that consumes them
+    (and its cost analysis reads as touching that layer's pool, not every layer's)."""
+    layer = jax.lax.dynamic_index_in_dim(pool, lay, keepdims=False)  # [slots, bs, KV, D]
+    x = layer[slots]
+    if scale is None:
+        return x
+    sc = jax.lax.dynamic_index_in_dim(scale, lay, keepdims=False)[slots]  # [*, KV]
+    flat = x.reshape(-1, *x.shape[-3:])
+    return dequantize(flat, sc.reshape(-1, sc.shape[-1]), dtype).reshape(x.shape)
+
+
 def _pool_part(q, k, v, ids, lengths, scale, max_blocks: int, starts) -> AttentionPart:
     """One part read on the XLA path: blocks `k`, `v` [batch, K, ...] given as their read from
     where they lie (`attend_pool`)."""
@@ -178,8 +192,12 @@ def _host_part_xla(q, cache, layer, read_host, lengths, scale, n_stage, starts):
     def fetch_and_attend(_):
         sk, sv, stable, ids = fetch_host_blocks(cache, layer, read_host, n_stage)
         K = ids.shape[1]
-        kx = sk.reshape(c.batch, K, *sk.shape[1:])  # laid out per sequence: a view
-        vx = sv.reshape(c.batch, K, *sv.shape[1:])
+        if on_gpu():  # read as a gather of its entries, which XLA:GPU fuses into the reductions
+            at = jnp.arange(c.batch * K, dtype=jnp.int32).reshape(c.batch, K)
+            kx, vx = sk[at], sv[at]
+        else:  # laid out per sequence: a view
+            kx = sk.reshape(c.batch, K, *sk.shape[1:])
+            vx = sv.reshape(c.batch, K, *sv.shape[1:])
         return _pool_part(q, kx, vx, ids, lengths, scale, c.max_blocks, starts), (sk, sv, stable)
 
     if on_gpu():  # a conditional syncs the host on a GPU: always fetch (listed blocks only)
@@ -256,8 +274,12 @@ def tiered_attention(
             hbm_part = _kernel_part(q, *pool, lengths, scale, lay, starts, fp8)
         else:  # read where they lie: at most the selection's bound per sequence (or HBM's)
             ids_h = compact_ids(read_pool, max(1, min(n_stage, c.max_blocks, c.hbm_slots)))
-            at = jnp.take_along_axis(slot, jnp.maximum(ids_h, 0), axis=1)
-            kh, vh = read_hbm_blocks(cache, lay, jnp.clip(at, 0, c.hbm_slots - 1))
+            at = jnp.clip(
+                jnp.take_along_axis(slot, jnp.maximum(ids_h, 0), axis=1), 0, c.hbm_slots - 1
+            )
+            fp8 = c.fp8_in("hbm")
+            kh = read_layer_blocks(cache.hbm_k, lay, at, cache.hbm_ks if fp8 else None, c.jnp_dtype)
+            vh = read_layer_blocks(cache.hbm_v, lay, at, cache.hbm_vs if fp8 else None, c.jnp_dtype)
             hbm_part = _pool_part(q, kh, vh, ids_h, lengths, scale_f, c.max_blocks, starts)
     ring_part = None
     if c.ring_blocks:  # fp8="age": the recent blocks, at full precision, laid out per sequence
