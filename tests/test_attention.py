@@ -8,7 +8,7 @@ from jaxkv import cache as kvc
 from jaxkv.attention.select import select_blocks, window_starts
 from jaxkv.attention.tiered import tiered_attention
 from jaxkv.attention.xla import dense_attention_reference
-from jaxkv.config import PlacementConfig
+from jaxkv.config import CacheConfig, PlacementConfig
 
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
 
@@ -273,3 +273,38 @@ def test_quest_scores_upper_bound_every_key():
         rtol=1e-5,
         atol=1e-5,
     )
+
+
+def test_auto_takes_the_implementation_measured_on_the_device(monkeypatch):
+    """`impl="auto"` reads `jaxkv.attention.measured` by device kind: the XLA path on CPU and
+    on any device not measured; a kernel entry is taken only where the kernel can run."""
+    from jaxkv.attention import measured, tiered
+
+    cfg = CacheConfig(
+        num_layers=1, kv_heads=2, head_dim=16, batch=1, max_len=64, block_size=16,
+        hbm_fraction=1.0,
+    )  # fmt: skip
+    assert measured.measured_impl("cpu") == "xla"
+    assert measured.measured_impl("NVIDIA B300 (not measured)") == measured.DEFAULT == "xla"
+    assert tiered.resolve_impl("auto", cfg) == "xla"
+    entry = measured.Measured("pallas", "test", "a test entry")
+    monkeypatch.setitem(measured.MEASURED, "cpu", entry)
+    assert measured.measured_impl() == "pallas"
+    assert tiered.resolve_impl("auto", cfg) == "xla"  # no Hopper GPU here: not the kernel
+    monkeypatch.setattr(tiered, "hopper_available", lambda: True)
+    assert tiered.resolve_impl("auto", cfg) == "pallas"
+
+
+def test_host_part_runs_under_a_conditional_off_gpu():
+    """Off GPU the host part (fetch and attention) is a `lax.cond` branch on whether the step
+    reads a host block: the compiled program branches, and a step with every block in HBM
+    gives the dense result, as one with host blocks does."""
+    cache, k, v = random_cache(jax.random.key(3), hbm_fraction=1.0, shuffle_moves=0)
+    q = jax.random.normal(jax.random.key(4), (2, 4, 8))
+    p = PlacementConfig()
+    f = jax.jit(lambda q, cache: tiered_attention(q, cache, 1, cache.lengths, p, impl="xla"))
+    assert "conditional(" in f.lower(q, cache).compile().as_text()
+    out, st = f(q, cache)
+    assert int(st.read_host.sum()) == 0
+    want = dense_attention_reference(q, k[1], v[1], cache.lengths)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5)
