@@ -200,6 +200,10 @@ def dense_runner(model, params, prompts, steps):
     return run
 
 
+def progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def agree(a, b) -> str:
     n = min(len(a), len(b))
     same = next((i for i in range(n) if a[i] != b[i]), n)
@@ -264,12 +268,13 @@ def main(argv=None) -> int:
         )
         times = {k: ([], [], None) for k in runners}
         hf_case = dict(prefill=[], decode=[], tokens=None)
-        for _ in range(args.runs):  # interleaved: the machine's load hits every system alike
+        for r in range(args.runs):  # interleaved: the machine's load hits every system alike
             for key, run in runners.items():
                 p, d, toks = run()
                 times[key][0].append(p)
                 times[key][1].append(d)
                 times[key] = (times[key][0], times[key][1], toks)
+                progress(f"batch {b} run {r + 1}: {key} prefill {p:.2f} s, {1e3 * d:.1f} ms/step")
             if hf_python:
                 case = run_transformers(
                     hf_python, model_source("smollm2"), ids, [b], args.steps, 1, args.threads
@@ -277,6 +282,10 @@ def main(argv=None) -> int:
                 hf_case["prefill"] += case["prefill"]
                 hf_case["decode"] += case["decode"]
                 hf_case["tokens"] = case["tokens"]
+                progress(
+                    f"batch {b} run {r + 1}: transformers prefill {case['prefill'][0]:.2f} s, "
+                    f"{1e3 * case['decode'][0]:.1f} ms/step"
+                )
         (jp, jd, jt), (dp, dd, dt) = times["jaxkv"], times["dense"]
         row = dict(
             batch=b,
