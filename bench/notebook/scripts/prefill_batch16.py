@@ -8,6 +8,7 @@ first token) of 16 stdlib texts, each cut or repeated to --tokens ids, HBM 25%, 
 compiling, and the process's peak resident memory.
 
   python bench/notebook/scripts/prefill_batch16.py [--dtype bfloat16] [--tokens 8176]
+      [--compile-only]
 """
 
 import argparse
@@ -53,6 +54,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--policy", default="lrfu")
+    ap.add_argument("--compile-only", action="store_true", help="the memory analysis alone")
     args = ap.parse_args()
     model, tok = load_model("smollm2", dtype=args.dtype)
     x = prompts(tok, args.tokens)[: args.batch]
@@ -77,6 +79,8 @@ def main() -> int:
         f"XLA memory analysis: temp {mem.temp_size_in_bytes / gb:.2f} GB, arguments "
         f"{mem.argument_size_in_bytes / gb:.2f} GB, outputs {mem.output_size_in_bytes / gb:.2f} GB"
     )
+    if args.compile_only:
+        return 0
     t0 = time.perf_counter()
     state = jax.block_until_ready(compiled(params, x, lengths, jax.random.key(0)))
     t1 = time.perf_counter()
