@@ -62,6 +62,39 @@ def layer_step_time(
     return jnp.maximum(t_hbm, t_link)
 
 
+def step_bytes(
+    *,
+    weight_bytes,
+    hbm_read_bytes,
+    host_read_bytes,
+    write_bytes=0.0,
+    summary_bytes=0.0,
+) -> dict:
+    """The bytes one decode step (or layer) touches in the model's accounting, by part; every
+    argument broadcasts, "total" sums the parts.
+
+    What `layer_step_time` charges (weights, KV read from each tier, the new token's write)
+    plus two HBM-side parts it leaves out, which the program moves as well (measured against
+    XLA's cost analysis of the compiled H200 step, bench/RESULTS.md section 7):
+      staged   2 x host_read_bytes: every host block a step reads is written into the device
+               staging pool and read there by attention (both attention paths stage);
+      summary  the sparse selection's reads of the per-block key bounds (`summary_bytes`:
+               kmin and kmax, float32, of every live block; 0 in exact mode).
+    Both are HBM traffic; a step bound by the link does not wait on them (at the h200-pcie
+    ratio, 87 HBM bytes per link byte, staging adds 2.3% of the link time to T_hbm).
+    """
+    parts = dict(
+        weights=jnp.asarray(weight_bytes, jnp.float32),
+        hbm_read=jnp.asarray(hbm_read_bytes, jnp.float32),
+        host_read=jnp.asarray(host_read_bytes, jnp.float32),
+        write=jnp.asarray(write_bytes, jnp.float32),
+        staged=2.0 * jnp.asarray(host_read_bytes, jnp.float32),
+        summary=jnp.asarray(summary_bytes, jnp.float32),
+    )
+    parts["total"] = sum(parts.values())
+    return parts
+
+
 def unlimited_step_time(
     read_bytes, *, profile: HardwareProfile, weight_bytes=0.0, hbm_write_bytes=0.0
 ):

@@ -24,6 +24,10 @@ pytree wrapped as `FunctionalModel`. The Decoder uses exactly this of it (`Model
                 return the last one. At prefill the Decoder also calls it once on batch x 32
                 rows, the prompts' last positions, with an `attend` of its own
                 (`jaxkv.decode.prompt`): rows are independent sequences of any count.
+  prefill_at    optional: (tokens [B, T] int32, positions [B] int32) -> (logits [B, vocab], k,
+                v): `prefill` with the logits at one position per sequence only (the Decoder
+                asks for each prompt's last); without it the Decoder takes them from
+                `prefill`'s [B, T, vocab]
   first_query   optional: (tokens [B] int32, positions [B] int32) -> q [B, H, head_dim], the
                 queries `decode_step` passes to `attend` for layer 0 (they depend on the token
                 and its position only). With it, `Lrfu(lookahead=True)` knows layer 0's next
@@ -48,6 +52,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 CONFIG_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size")
@@ -82,7 +87,8 @@ class Model(Protocol):
         self, tokens: jax.Array, positions: jax.Array, attend: AttendFn, carry: Any
     ) -> tuple[jax.Array, Any]: ...
 
-    # optional: def first_query(self, tokens, positions) -> jax.Array (module docstring)
+    # optional: def prefill_at(self, tokens, positions) -> (logits [B, vocab], k, v) and
+    # def first_query(self, tokens, positions) -> jax.Array (module docstring)
 
 
 class TensorParallel(Protocol):
@@ -118,6 +124,8 @@ class FunctionalModel:
       weight_bytes: those bytes directly.
       first_query: optional, (params, tokens [B], positions [B]) -> layer 0's queries [B, H,
         head_dim] as `decode_step` computes them (module docstring).
+      prefill_at: optional, (params, tokens [B, T], positions [B]) -> (logits [B, vocab], k,
+        v): `prefill` with the logits at `positions` only (module docstring).
 
     The Decoder's `prefill`, `generate` etc. then take the params pytree itself.
     """
@@ -128,6 +136,7 @@ class FunctionalModel:
     weight_bytes: float | None = None
     first_query: Callable | None = None
     params: dataclasses.InitVar[Any] = None
+    prefill_at: Callable | None = None
 
     def __post_init__(self, params):
         if params is not None:
@@ -182,10 +191,12 @@ def check_model(model) -> Any:
             sig = "(tokens)" if name == "prefill" else "(tokens, positions, attend, carry)"
             raise TypeError(f"{what} has no method {name}{sig} {_GUIDE}")
         _check_arity(f"{what}.{name}", fn, arity + functional, functional)
-    if has_first_query(model):
-        _check_arity(f"{what}.first_query", model.first_query, 2 + functional, functional)
-    elif getattr(model, "first_query", None) is not None:
-        raise TypeError(f"{what}.first_query is not callable {_GUIDE}")
+    for name in ("first_query", "prefill_at"):
+        fn = getattr(model, name, None)
+        if callable(fn):
+            _check_arity(f"{what}.{name}", fn, 2 + functional, functional)
+        elif fn is not None:
+            raise TypeError(f"{what}.{name} is not callable {_GUIDE}")
     check_model_config(model.config, f"{what}.config")
     return model.config
 
@@ -206,6 +217,7 @@ def _check_arity(label: str, fn, n: int, functional: bool) -> None:
         sig.bind(*range(n))
     except TypeError:
         args = {"prefill": "tokens", "first_query": "tokens, positions"}
+        args["prefill_at"] = "tokens, positions"
         args = ("params, " if functional else "") + args.get(
             label.rsplit(".", 1)[1], "tokens, positions, attend, carry"
         )
@@ -257,6 +269,7 @@ def bind(static, params) -> Model:
         prefill = lambda tokens: static.prefill(params, tokens)  # noqa: E731
         decode = lambda *args: static.decode_step(params, *args)  # noqa: E731
         first = static.first_query and (lambda *args: static.first_query(params, *args))
+        at = static.prefill_at and (lambda *args: static.prefill_at(params, *args))
         name = "FunctionalModel"
     else:
         from flax import nnx
@@ -264,7 +277,8 @@ def bind(static, params) -> Model:
         model = nnx.merge(static, params)
         cfg, prefill, decode, name = model.config, model.prefill, model.decode_step, "model"
         first = getattr(model, "first_query", None)
-    return _Checked(cfg, prefill, decode, name, first)
+        at = getattr(model, "prefill_at", None)
+    return _Checked(cfg, prefill, decode, name, first, at)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,6 +290,7 @@ class _Checked:
     _decode: Callable
     name: str
     _first: Callable | None = None
+    _prefill_at: Callable | None = None
 
     def first_query(self, tokens, positions):
         """Layer 0's queries [B, H, head_dim] for `tokens` at `positions` (the model's
@@ -301,6 +316,25 @@ class _Checked:
         want = dict(logits=(B, T, c.vocab_size), k=kv, v=kv)
         for (what, shape), x in zip(want.items(), out, strict=True):
             _check_shape(f"{self.name}.prefill's {what}", x, shape)
+        return out
+
+    def prefill_at(self, tokens, positions):
+        """(logits [B, vocab] at `positions` [B], k, v): the model's `prefill_at` when it has
+        one (its LM head on those rows only), else `prefill`'s logits taken there."""
+        if self._prefill_at is None:
+            logits, k, v = self.prefill(tokens)
+            at = jnp.asarray(positions, jnp.int32)[:, None, None]
+            return jnp.take_along_axis(logits, at, axis=1)[:, 0], k, v
+        out = self._prefill_at(tokens, positions)
+        c, (B, T) = self.config, tokens.shape
+        kv = (c.num_layers, B, T, c.num_kv_heads, c.head_dim)
+        if not isinstance(out, tuple | list) or len(out) != 3:
+            raise ValueError(
+                f"{self.name}.prefill_at returned {_kind(out)}: expected (logits, k, v)"
+            )
+        want = dict(logits=(B, c.vocab_size), k=kv, v=kv)
+        for (what, shape), x in zip(want.items(), out, strict=True):
+            _check_shape(f"{self.name}.prefill_at's {what}", x, shape)
         return out
 
     def decode_step(self, tokens, positions, attend, carry):

@@ -4,7 +4,8 @@ SwiGLU, tied or untied embeddings, optional attention / MLP biases (Qwen2, Llama
 Three entry points share one set of weights:
 
 - ``__call__``: cache-free causal forward over positions ``0..T-1`` (the reference);
-- ``prefill``: the same forward, also returning every layer's post-RoPE K and V;
+- ``prefill``: the same forward, also returning every layer's post-RoPE K and V
+  (``prefill_at``: with the logits of one position per sequence only);
 - ``decode_step``: one token per sequence, attention delegated to an ``attend`` callback (the
   tiered KV cache of ``jaxkv``), everything else (projections, RoPE, residuals, MLP) done here.
 
@@ -32,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from models.causal import causal_attention
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _ROPE_TYPES = ("llama3", "linear")
@@ -437,40 +440,34 @@ class Llama(nnx.Module):
         inv_freq = jnp.asarray(_inv_freq_cached(c))  # [head_dim // 2], a trace-time constant
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-    def _forward(self, tokens: jax.Array, *, return_kv: bool):
-        """tokens [B, T] -> logits [B, T, V] f32 (and k, v [L, B, T, Hkv, hd])."""
+    def _forward(self, tokens: jax.Array, *, return_kv: bool, logits_at=None):
+        """tokens [B, T] -> logits (and k, v [L, B, T, Hkv, hd]): [B, T, V] f32 at every
+        position, or [B, V] at `logits_at` [B] int positions only. Attention runs in query and
+        key blocks (`models.causal`), never building the [T, T] scores."""
         c = self.config
         self._check_tokens(tokens, 2, "Llama tokens")
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        qi = jnp.arange(t)[:, None]
-        ki = jnp.arange(t)[None, :]
-        causal = ki <= qi  # [T, T]
         windows = jnp.asarray(c.layer_windows(), jnp.int32)  # [L], scanned: 0 = full
+        # a window every layer applies bounds the key blocks a query block reads
+        band = c.sliding_window if c.sliding_layers is None else None
         h = self.embed[...][tokens]  # [B, T, dim]
-        scale = 1.0 / math.sqrt(c.head_dim)
         prec = _precision(c.jnp_dtype)
 
         def body(block, i, h, window):
-            mask = causal
-            if c.sliding_window is not None:
-                mask = causal & ((window <= 0) | (qi - ki < window))
             with jax.named_scope("attention"):
                 q, k, v = self._qkv(block, block.attn_norm(h), positions)
-                qg = q.reshape(b, t, c.num_kv_heads, c.group_size, c.head_dim)
-                s = jnp.einsum(
-                    "bqkgd,bskd->bkgqs", qg, k, precision=prec, preferred_element_type=jnp.float32
-                )
-                s = s * scale
-                s = jnp.where(mask, s, -jnp.inf)
-                p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-                o = jnp.einsum("bkgqs,bskd->bqkgd", p, v, precision=prec)
+                w = window if c.sliding_window is not None else None
+                o = causal_attention(q, k, v, w, band=band, precision=prec)
                 h = h + block.attn.o(o.reshape(b, t, c.num_heads * c.head_dim), c.tp_axis)
             with jax.named_scope("mlp"):
                 h = h + block.mlp(block.mlp_norm(h))
             return h, ((k, v) if return_kv else None)
 
         h, kv = self._scan_layers(body, h, windows)
+        if logits_at is not None:  # only the rows asked for reach the LM head
+            at = jnp.clip(jnp.asarray(logits_at, jnp.int32), 0, t - 1)
+            h = jnp.take_along_axis(h, at[:, None, None], axis=1)[:, 0]  # [B, dim]
         logits = self._logits(h)
         if not return_kv:
             return logits
@@ -499,6 +496,26 @@ class Llama(nnx.Module):
             head_dim] in the model dtype.
         """
         return self._forward(tokens, return_kv=True)
+
+    def prefill_at(
+        self,
+        tokens: jax.Array,  # [batch, T] int
+        positions: jax.Array,  # [batch] int
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`prefill` with the logits of one position per sequence only (the optional
+        `prefill_at` of the model interface, `jaxkv.model_api`): the LM head runs on those
+        rows alone, e.g. each right-padded prompt's last (``positions = lengths - 1``).
+
+        Returns:
+            logits [batch, vocab] float32 at ``positions`` (clipped to [0, T)), and k, v as
+            `prefill`'s.
+        """
+        if positions.shape != tokens.shape[:1]:
+            raise ValueError(
+                f"Llama.prefill_at positions shape {positions.shape}: expected "
+                f"({tokens.shape[0]},) (one position per sequence)"
+            )
+        return self._forward(tokens, return_kv=True, logits_at=positions)
 
     def decode_step(
         self,

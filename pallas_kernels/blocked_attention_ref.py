@@ -1,7 +1,8 @@
 """Pure-jnp reference of `blocked_attention` (gather + masked softmax in fp32), the kernel's test
-oracle; `attend_blocks`, the masked softmax over blocks it shares with jaxkv's XLA path
-(`jaxkv.attention.xla.attend_compact`); and `merge_partials`, the log-sum-exp merge of partial
-results. `pallas_kernels.blocked_attention` re-exports the reference and the merge."""
+oracle; `attend_blocks`, its masked softmax over gathered blocks (jaxkv's XLA path computes the
+same softmax over blocks read in place, `jaxkv.attention.xla.block_softmax`); and
+`merge_partials`, the log-sum-exp merge of partial results. `pallas_kernels.blocked_attention`
+re-exports the reference and the merge."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from jaxkv import cache as kvc
 from jaxkv.attention.select import select_blocks, window_starts
 from jaxkv.attention.tiered import tiered_attention
 from jaxkv.attention.xla import dense_attention_reference
-from jaxkv.config import PlacementConfig
+from jaxkv.config import CacheConfig, PlacementConfig
 
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
 
@@ -136,11 +136,13 @@ def test_pallas_attention_matches_xla_in_interpreter(dtype, tol):
     assert int(sa.read_host.sum()) > 0 and int(sa.read_hbm.sum()) > 0
 
 
-def test_compact_attention_matches_the_gathering_reference():
-    """The XLA path gathers only the blocks a part reads (`compact_ids`, `attend_compact`):
-    the same output, log-sum-exp and per-block log-sum-exp as the kernel's pure-jnp reference,
-    which gathers every column of the block table."""
-    from jaxkv.attention.xla import attend_compact, compact_ids
+@pytest.mark.parametrize("form", ["dot", "reduce"])
+def test_pool_attention_matches_the_gathering_reference(form):
+    """The XLA path reads only the blocks a part reads, where they lie (`compact_ids`,
+    `attend_pool`), in both formulations (CPU's dot, GPU's reduce): the same output,
+    log-sum-exp and per-block log-sum-exp as the kernel's pure-jnp reference, which gathers
+    every column of the block table."""
+    from jaxkv.attention.xla import attend_pool, compact_ids
     from pallas_kernels.blocked_attention import blocked_attention_reference
 
     rng = np.random.default_rng(0)
@@ -158,7 +160,9 @@ def test_compact_attention_matches_the_gathering_reference():
     )
     ids = compact_ids(mask, M)
     at = jnp.take_along_axis(table, jnp.maximum(ids, 0), axis=1)
-    got = attend_compact(q, k[at], v[at], ids, lengths, 0.25, M)
+    got = jax.jit(lambda q, at: attend_pool(q, k[at], v[at], ids, lengths, 0.25, M, form=form))(
+        q, at
+    )
     for g, w in zip(got, want, strict=True):
         g, w = np.asarray(g), np.asarray(w)
         assert (np.isfinite(g) == np.isfinite(w)).all()
@@ -269,3 +273,38 @@ def test_quest_scores_upper_bound_every_key():
         rtol=1e-5,
         atol=1e-5,
     )
+
+
+def test_auto_takes_the_implementation_measured_on_the_device(monkeypatch):
+    """`impl="auto"` reads `jaxkv.attention.measured` by device kind: the XLA path on CPU and
+    on any device not measured; a kernel entry is taken only where the kernel can run."""
+    from jaxkv.attention import measured, tiered
+
+    cfg = CacheConfig(
+        num_layers=1, kv_heads=2, head_dim=16, batch=1, max_len=64, block_size=16,
+        hbm_fraction=1.0,
+    )  # fmt: skip
+    assert measured.measured_impl("cpu") == "xla"
+    assert measured.measured_impl("NVIDIA B300 (not measured)") == measured.DEFAULT == "xla"
+    assert tiered.resolve_impl("auto", cfg) == "xla"
+    entry = measured.Measured("pallas", "test", "a test entry")
+    monkeypatch.setitem(measured.MEASURED, "cpu", entry)
+    assert measured.measured_impl() == "pallas"
+    assert tiered.resolve_impl("auto", cfg) == "xla"  # no Hopper GPU here: not the kernel
+    monkeypatch.setattr(tiered, "hopper_available", lambda: True)
+    assert tiered.resolve_impl("auto", cfg) == "pallas"
+
+
+def test_host_part_runs_under_a_conditional_off_gpu():
+    """Off GPU the host part (fetch and attention) is a `lax.cond` branch on whether the step
+    reads a host block: the compiled program branches, and a step with every block in HBM
+    gives the dense result, as one with host blocks does."""
+    cache, k, v = random_cache(jax.random.key(3), hbm_fraction=1.0, shuffle_moves=0)
+    q = jax.random.normal(jax.random.key(4), (2, 4, 8))
+    p = PlacementConfig()
+    f = jax.jit(lambda q, cache: tiered_attention(q, cache, 1, cache.lengths, p, impl="xla"))
+    assert "conditional(" in f.lower(q, cache).compile().as_text()
+    out, st = f(q, cache)
+    assert int(st.read_host.sum()) == 0
+    want = dense_attention_reference(q, k[1], v[1], cache.lengths)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5)

@@ -33,6 +33,18 @@ def test_layer_step_time_is_the_slower_tier():
     np.testing.assert_allclose(t, [4.0, 1.0])
 
 
+def test_step_bytes_adds_the_staged_copy_and_the_summaries():
+    """The byte accounting: what the time model charges, plus the host blocks' staged copy
+    (written into the staging pool and read there: twice their bytes) and the selection's
+    summaries; broadcast over layers."""
+    b = cost.step_bytes(
+        weight_bytes=100.0, hbm_read_bytes=jnp.array([10.0, 0.0]), host_read_bytes=3.0,
+        write_bytes=1.0, summary_bytes=2.0,
+    )  # fmt: skip
+    assert float(b["staged"]) == 6.0
+    np.testing.assert_allclose(b["total"], [100 + 10 + 3 + 1 + 6 + 2, 100 + 3 + 1 + 6 + 2])
+
+
 def test_no_split_beats_unlimited_and_capacity_bound_sits_between():
     prof = HardwareProfile.preset("gh200-paper")
     rng = np.random.default_rng(0)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from jaxkv.cache.layout import TieredKVCache
 from jaxkv.config import PlacementConfig
+from pallas_kernels.common import on_gpu
 
 
 def quest_scores(q, kmin, kmax):
@@ -21,6 +22,11 @@ def quest_scores(q, kmin, kmax):
     B, H, D = q.shape
     KV = kmin.shape[2]
     qg = q.astype(jnp.float32).reshape(B, KV, H // KV, D)
+    if on_gpu():  # [B, M, KV, G, D] reduced over its minor dims: the summaries read once, in
+        # place (the einsums' [B, KV, G, M, D] layout made XLA:GPU copy them transposed)
+        qb = qg[:, None]
+        bound = jnp.maximum(kmin[:, :, :, None] * qb, kmax[:, :, :, None] * qb).sum(-1)
+        return bound.sum(axis=(2, 3))
     bound = jnp.maximum(
         jnp.einsum("bkgd,bmkd->bkgmd", qg, kmin), jnp.einsum("bkgd,bmkd->bkgmd", qg, kmax)
     ).sum(-1)

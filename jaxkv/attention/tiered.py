@@ -4,14 +4,21 @@ Per layer and step: select blocks (all of them in exact mode; in sparse mode the
 Quest bound plus sink and recent blocks), attend the selected HBM blocks, copy the selected host
 blocks into a device staging pool laid out per sequence (one bulk transfer per pool,
 `jaxkv.cache.transfer`, which XLA can overlap with the HBM part) and attend them there, then merge
-the two partial results by log-sum-exp. On the XLA path each part touches only the blocks it reads:
-the HBM part gathers each sequence's selected HBM blocks compacted to the front
-(`compact_ids`), the host part reads the staging pool in place (`attend_compact`); the Pallas
-kernel reads the pools in place through the block table. Placement never changes what is
-attended, only where it is read from. Under `CacheConfig(fp8="age")` the HBM pool holds FP8
-blocks (dequantized after the gather on the XLA path, inside the kernel on the Pallas path) and a
-third part reads each sequence's recent blocks from the full-precision ring
+the two partial results by log-sum-exp. On the XLA path each part reads its blocks where they
+lie (`jaxkv.attention.xla.attend_pool`): the HBM part reads each sequence's selected HBM blocks
+through the block table (their slots compacted to the front, `compact_ids`, at most the
+selection's static bound per sequence), the host part reads the staging pool in place; no
+contiguous copy of either is built. Off GPU the host part (the fetch and its attention) runs
+under a `lax.cond` on whether the step reads any host block, so a step that reads none (an
+all-HBM cache) does no host work; on a GPU a conditional syncs the host, so there it always
+runs. The Pallas kernel reads the pools in place through the block table. Placement never
+changes what is attended, only where it is read from. Under `CacheConfig(fp8="age")` the HBM
+pool holds FP8 blocks (dequantized where read on the XLA path, inside the kernel on the Pallas
+path) and a third part reads each sequence's recent blocks from the full-precision ring
 (`jaxkv.cache.layout.ring_window`); the three partials merge the same way.
+
+`impl="auto"` takes the implementation measured fastest on the present device
+(`jaxkv.attention.measured`), the XLA path where none was measured.
 """
 
 from __future__ import annotations
@@ -22,21 +29,21 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv._pytree import pytree_dataclass
+from jaxkv.attention.measured import measured_impl
 from jaxkv.attention.select import select_blocks, window_starts
-from jaxkv.attention.xla import attend_compact, compact_ids
+from jaxkv.attention.xla import attend_pool, compact_ids
 from jaxkv.cache.layout import TieredKVCache, ring_ids, ring_window
-from jaxkv.cache.layout import read_hbm as read_hbm_blocks
 from jaxkv.cache.layout import read_host as read_host_blocks
+from jaxkv.cache.quant import dequantize
 from jaxkv.cache.transfer import rows_of
 from jaxkv.config import TIER_HBM, TIER_HOST, PlacementConfig
 from pallas_kernels.blocked_attention import (
     blocked_attention,
     merge_partials,
 )
-from pallas_kernels.common import hopper_available
+from pallas_kernels.common import hopper_available, on_gpu
 
 IMPLS = ("auto", "xla", "pallas")
-PALLAS_MEASURED_FASTER = False  # "auto" takes the kernel only when True; unmeasured on a GPU
 
 
 @pytree_dataclass
@@ -115,9 +122,9 @@ def staging_size(config, num_staging: int) -> int:
 def resolve_impl(impl: str, config) -> str:
     """The attention implementation for `impl` on this device and cache geometry.
 
-    "auto" takes the Pallas kernel only when `PALLAS_MEASURED_FASTER` is set (default False: the
-    XLA path), the geometry is supported and a Hopper GPU is present; flip it once
-    bench/bench_kernels.py measures the kernel faster (measured: bench/RESULTS.md, kernels).
+    "auto" takes what `jaxkv.attention.measured` records as measured fastest on the present
+    device (`measured_impl`: the XLA path on CPU and on any device not measured yet), the
+    Pallas kernel only where the geometry is supported and a Hopper GPU is present.
     "pallas" requires the geometry the kernel supports (block size and head_dim multiples of 16,
     head_dim <= 256; any cache dtype, fp32 as bf16x3 products) and raises ValueError otherwise.
     """
@@ -125,7 +132,8 @@ def resolve_impl(impl: str, config) -> str:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
     supported = config.block_size % 16 == 0 and config.head_dim % 16 == 0 and config.head_dim <= 256
     if impl == "auto":
-        return "pallas" if PALLAS_MEASURED_FASTER and supported and hopper_available() else "xla"
+        fastest = measured_impl()
+        return "pallas" if fastest == "pallas" and supported and hopper_available() else "xla"
     if impl == "pallas" and not supported:
         raise ValueError(
             f"impl='pallas' needs block_size and head_dim multiples of 16 (head_dim <= 256); "
@@ -145,10 +153,61 @@ def _kernel_part(q, k_pool, v_pool, table, mask, lengths, scale, layer=None, sta
     return AttentionPart(out=out, lse=lse, block_lse=None)
 
 
-def _compact_part(q, k, v, ids, lengths, scale, max_blocks: int, starts) -> AttentionPart:
-    """One part read on the XLA path, over blocks laid out per sequence (`attend_compact`)."""
-    out, lse, block_lse = attend_compact(q, k, v, ids, lengths, scale, max_blocks, starts)
+def read_layer_blocks(pool, lay, slots, scale=None, dtype=None):
+    """Blocks `pool[lay][slots]` [*slots.shape, block_size, kv_heads, head_dim] (dequantized to
+    `dtype` with `scale` [layers, slots, kv_heads] for an FP8 pool), written as a slice of
+    the layer and a gather within it, which XLA fuses into the attention that consumes them
+    (and its cost analysis reads as touching that layer's pool, not every layer's)."""
+    layer = jax.lax.dynamic_index_in_dim(pool, lay, keepdims=False)  # [slots, bs, KV, D]
+    x = layer[slots]
+    if scale is None:
+        return x
+    sc = jax.lax.dynamic_index_in_dim(scale, lay, keepdims=False)[slots]  # [*, KV]
+    flat = x.reshape(-1, *x.shape[-3:])
+    return dequantize(flat, sc.reshape(-1, sc.shape[-1]), dtype).reshape(x.shape)
+
+
+def _pool_part(q, k, v, ids, lengths, scale, max_blocks: int, starts) -> AttentionPart:
+    """One part read on the XLA path: blocks `k`, `v` [batch, K, ...] given as their read from
+    where they lie (`attend_pool`)."""
+    out, lse, block_lse = attend_pool(q, k, v, ids, lengths, scale, max_blocks, starts)
     return AttentionPart(out=out, lse=lse, block_lse=block_lse)
+
+
+def _empty_part(q, max_blocks: int) -> AttentionPart:
+    """The part of a tier that holds none of the blocks read: nothing attended."""
+    B, H, D = q.shape
+    return AttentionPart(
+        out=jnp.zeros((B, H, D), jnp.float32),
+        lse=jnp.full((B, H), -jnp.inf, jnp.float32),
+        block_lse=jnp.full((B, H, max_blocks), -jnp.inf, jnp.float32),
+    )
+
+
+def _host_part_xla(q, cache, layer, read_host, lengths, scale, n_stage, starts):
+    """The host part on the XLA path: the fetch of the selected host blocks into the staging
+    pool, and attention over it in place. Returns (AttentionPart, (staging K, V, table))."""
+    c = cache.config
+
+    def fetch_and_attend(_):
+        sk, sv, stable, ids = fetch_host_blocks(cache, layer, read_host, n_stage)
+        K = ids.shape[1]
+        if on_gpu():  # read as a gather of its entries, which XLA:GPU fuses into the reductions
+            at = jnp.arange(c.batch * K, dtype=jnp.int32).reshape(c.batch, K)
+            kx, vx = sk[at], sv[at]
+        else:  # laid out per sequence: a view
+            kx = sk.reshape(c.batch, K, *sk.shape[1:])
+            vx = sv.reshape(c.batch, K, *sv.shape[1:])
+        return _pool_part(q, kx, vx, ids, lengths, scale, c.max_blocks, starts), (sk, sv, stable)
+
+    if on_gpu():  # a conditional syncs the host on a GPU: always fetch (listed blocks only)
+        return fetch_and_attend(None)
+
+    def nothing(_):  # no host block read: no transfer, no attention (staging unread)
+        shapes = jax.eval_shape(fetch_and_attend, None)[1]
+        return _empty_part(q, c.max_blocks), tuple(jnp.zeros(x.shape, x.dtype) for x in shapes)
+
+    return jax.lax.cond(jnp.any(read_host), fetch_and_attend, nothing, None)
 
 
 def tiered_attention(
@@ -213,11 +272,15 @@ def tiered_attention(
             fp8 = (cache.hbm_ks, cache.hbm_vs) if c.fp8_in("hbm") else None
             pool = (cache.hbm_k, cache.hbm_v, slot, read_pool)
             hbm_part = _kernel_part(q, *pool, lengths, scale, lay, starts, fp8)
-        else:  # gather only the blocks this part reads (at most min(M, HBM slots) each)
-            ids_h = compact_ids(read_pool, max(1, min(c.max_blocks, c.hbm_slots)))
-            at = jnp.take_along_axis(slot, jnp.maximum(ids_h, 0), axis=1)
-            kh, vh = read_hbm_blocks(cache, lay, jnp.clip(at, 0, c.hbm_slots - 1))
-            hbm_part = _compact_part(q, kh, vh, ids_h, lengths, scale_f, c.max_blocks, starts)
+        else:  # read where they lie: at most the selection's bound per sequence (or HBM's)
+            ids_h = compact_ids(read_pool, max(1, min(n_stage, c.max_blocks, c.hbm_slots)))
+            at = jnp.clip(
+                jnp.take_along_axis(slot, jnp.maximum(ids_h, 0), axis=1), 0, c.hbm_slots - 1
+            )
+            fp8 = c.fp8_in("hbm")
+            kh = read_layer_blocks(cache.hbm_k, lay, at, cache.hbm_ks if fp8 else None, c.jnp_dtype)
+            vh = read_layer_blocks(cache.hbm_v, lay, at, cache.hbm_vs if fp8 else None, c.jnp_dtype)
+            hbm_part = _pool_part(q, kh, vh, ids_h, lengths, scale_f, c.max_blocks, starts)
     ring_part = None
     if c.ring_blocks:  # fp8="age": the recent blocks, at full precision, laid out per sequence
         with jax.named_scope("ring_part"):
@@ -232,16 +295,14 @@ def tiered_attention(
             else:
                 ids_r = ring_ids(c, cache.lengths, read_ring)
                 kr, vr = cache.ring_k[lay], cache.ring_v[lay]
-                ring_part = _compact_part(q, kr, vr, ids_r, lengths, scale_f, c.max_blocks, starts)
+                ring_part = _pool_part(q, kr, vr, ids_r, lengths, scale_f, c.max_blocks, starts)
     with jax.named_scope("host_part"):
-        sk, sv, stable, ids_x = fetch_host_blocks(cache, layer, read_host, n_stage)
         if impl == "pallas":
+            sk, sv, stable, _ = fetch_host_blocks(cache, layer, read_host, n_stage)
             host_part = _kernel_part(q, sk, sv, stable, read_host, lengths, scale, None, starts)
-        else:  # the staging pool is already laid out per sequence: read in place
-            K = ids_x.shape[1]
-            kx = sk.reshape(c.batch, K, *sk.shape[1:])
-            vx = sv.reshape(c.batch, K, *sv.shape[1:])
-            host_part = _compact_part(q, kx, vx, ids_x, lengths, scale_f, c.max_blocks, starts)
+        else:  # the staging pool is laid out per sequence: read in place
+            args = (q, cache, layer, read_host, lengths, scale_f, n_stage, starts)
+            host_part, (sk, sv, stable) = _host_part_xla(*args)
     # merged in this order (HBM, ring, host): the sum's order, so the result's bits, follow it
     parts = [p for p in (hbm_part, ring_part, host_part) if p is not None]
     out, lse = merge_partials(jnp.stack([p.out for p in parts]), jnp.stack([p.lse for p in parts]))

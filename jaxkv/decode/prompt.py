@@ -113,9 +113,9 @@ def queries_needed(policy, shared: bool = False) -> int:
 
 def forward_prompts(model, prompts, lengths, windows=None, n=PROMPT_QUERIES) -> Prefilled:
     """`Decoder.model_prefill`'s body: the model's prefill over `prompts` (a `bind` model),
-    the logits after each prompt's last token and the last `n` positions' queries."""
-    logits, k, v = model.prefill(prompts)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    the logits after each prompt's last token (`prefill_at`: the LM head on those rows only,
+    where the model offers it) and the last `n` positions' queries."""
+    last, k, v = model.prefill_at(prompts, lengths - 1)
     q = prompt_queries(model, prompts, lengths, k, v, windows, n)
     return Prefilled(last_logits=last, k=k, v=v, lengths=lengths, queries=q)
 
@@ -134,7 +134,11 @@ def prompt_prior(queries, cache: TieredKVCache, placement: PlacementConfig, wind
             w = None if windows is None else windows[layer]
             return select_blocks(qs[layer, :, i], cache, layer, pos[:, i] + 1, placement, window=w)
 
-        sel = jax.vmap(jax.vmap(one, (None, 0)), (0, None))(jnp.arange(L), jnp.arange(qs.shape[2]))
+        # one layer at a time (lax.map), its queries vmapped: the selection's [batch, kv_heads,
+        # group, blocks, head_dim] bounds exist for one layer's queries at once, not for all
+        # layers' (18 GB at batch 16 x 8k for SmolLM2)
+        per_layer = jax.vmap(one, (None, 0))
+        sel = jax.lax.map(lambda layer: per_layer(layer, jnp.arange(qs.shape[2])), jnp.arange(L))
         sel &= valid.T[None, :, :, None]  # [L, n, B, M]
         return sel.sum(1)
 

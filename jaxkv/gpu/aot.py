@@ -17,6 +17,13 @@ layouts ending in `S(5)` (host memory space).
 operations, host<->device transfers, host compute and the points where the host waits for the
 device (its rules: `jaxkv.gpu.hlo`); `CompiledModule.analyze` applies it to a compiled module.
 
+`CompiledModule.cost` is XLA's cost analysis (`HloCostAnalysis`: flops, bytes accessed) of the
+optimized GPU module and `CompiledModule.memory` its compiled memory statistics (argument,
+output and temporary bytes). The compile-only GPU client does not implement cost analysis, so
+it is run through the CPU client on the GPU's optimized module: the same analysis XLA applies
+to any module, over the GPU's fusions. `HloCostAnalysis` counts a while loop's body once;
+`cost_analysis` counts it its known trip count times (the scan over layers: every layer).
+
 Importing this module needs only jax and numpy; the CUDA plugin is needed when a compile is
 requested (`gpu_target`, `compile_for_gpu`), which raises RuntimeError naming the fix otherwise.
 """
@@ -27,6 +34,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
+import re
 import time
 from pathlib import Path
 
@@ -159,6 +167,10 @@ class CompiledModule:
     compile_seconds: float  # XLA GPU compile (ptxas included)
     target: str
     stablehlo_text: str = ""  # the lowered program, before XLA optimizes it
+    # XLA's HloCostAnalysis of the optimized module ("flops", "bytes accessed", ...)
+    cost: dict = dataclasses.field(default_factory=dict)
+    # compiled memory statistics: argument, output, alias and temp bytes (device and host)
+    memory: dict = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def analysis(self) -> dict:
@@ -246,7 +258,8 @@ def compile_for_gpu(
         backend=gpu.client,
     )
     exe = compiler.backend_compile_and_load(gpu.client, module, xc.DeviceList(gpus), opts, [])
-    text = exe.hlo_modules()[0].to_string()
+    hlo_module = exe.hlo_modules()[0]
+    text = hlo_module.to_string()
     t2 = time.perf_counter()
     return CompiledModule(
         name=name,
@@ -255,7 +268,95 @@ def compile_for_gpu(
         compile_seconds=t2 - t1,
         target=target,
         stablehlo_text=str(module),
+        cost=cost_analysis(text),
+        memory=memory_stats(exe),
     )
+
+
+def _xla_cost(hlo_text: str) -> dict:
+    """XLA's `HloCostAnalysis` of the module in `hlo_text`, run by the CPU client (the
+    compile-only GPU client does not implement it). A while loop's body counts once."""
+    from jax._src.lib import _jax
+    from jaxlib import _hlo
+
+    module = _hlo.hlo_module_from_text(hlo_text)
+    return dict(_jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module))
+
+
+def _body_module(hlo_text: str, body: str) -> str:
+    """`hlo_text`'s computations with an ENTRY that calls computation `body` once (its
+    parameter becomes the ENTRY's), as HLO text."""
+    lines, out, header = hlo_text.splitlines(), [], None
+    in_entry = False
+    for line in lines:
+        if line.startswith("HloModule"):
+            out.append("HloModule body_cost")
+            continue
+        if line.startswith("ENTRY"):
+            in_entry = True
+            continue
+        if in_entry:
+            in_entry = not line.startswith("}")
+            continue
+        if line.startswith(f"%{body} ") or line.startswith(f"{body} "):
+            header = line
+        out.append(line)
+    if header is None:
+        raise ValueError(f"no computation {body!r} in the module")
+    start = header.index("(")
+    end = _hlo_balanced(header, start)
+    param = header[start + 1 : end - 1]  # "name: type"
+    ptype = param.split(":", 1)[1].strip()
+    rtype = header[end:].split("->", 1)[1].rsplit("{", 1)[0].strip()
+    out += [
+        f"ENTRY %body_cost_entry (p: {ptype}) -> {rtype} {{",
+        f"  %p = {ptype} parameter(0)",
+        f"  ROOT %c = {rtype} call(%p), to_apply=%{body}",
+        "}",
+    ]
+    return "\n".join(out) + "\n"
+
+
+def cost_analysis(hlo_text: str, computation: str | None = None) -> dict:
+    """XLA's `HloCostAnalysis` ("flops", "bytes accessed", ...) of an optimized module's text,
+    with the body of every while loop of known trip count n counted n times (XLA's counts it
+    once), loops nested in loop bodies included; `computation`: of that computation alone
+    (called once), for the recursion. Loops inside other called computations (a conditional's
+    branches) count once."""
+    from jaxkv.gpu.hlo import _TRIP, parse_hlo
+
+    text = hlo_text if computation is None else _body_module(hlo_text, computation)
+    cost = _xla_cost(text)
+    comps, entry = parse_hlo(hlo_text)
+    top = entry if computation is None else computation
+    for inst in comps.get(top, []):
+        trip = _TRIP.search(inst.attrs) if inst.opcode == "while" else None
+        if trip is None or int(trip.group(1)) <= 1:
+            continue
+        body = re.search(r"body=%?([^\s,{}]+)", inst.attrs).group(1)
+        once, true = _xla_cost(_body_module(hlo_text, body)), cost_analysis(hlo_text, body)
+        n = int(trip.group(1))
+        for key in ("flops", "bytes accessed", "transcendentals"):
+            if key in cost:
+                cost[key] += n * true.get(key, 0.0) - once.get(key, 0.0)
+    return cost
+
+
+def _hlo_balanced(s: str, start: int) -> int:
+    """Index one past the parenthesis closing the one at s[start]."""
+    from jaxkv.gpu.hlo import _balanced
+
+    return _balanced(s, start)
+
+
+def memory_stats(executable) -> dict:
+    """The compiled memory statistics of an executable (XLA's buffer assignment), bytes:
+    argument, output, alias and temp sizes, device and host."""
+    stats = executable.get_compiled_memory_stats()
+    names = ("argument", "output", "alias", "temp")
+    out = {f"{n}_bytes": int(getattr(stats, f"{n}_size_in_bytes")) for n in names}
+    out.update({f"host_{n}_bytes": int(getattr(stats, f"host_{n}_size_in_bytes")) for n in names})
+    return out
 
 
 __all__ = [

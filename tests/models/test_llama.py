@@ -258,3 +258,46 @@ def test_right_padded_prefill_is_exact_on_valid_positions(model):
     lb, kb, _ = model.prefill(b)
     np.testing.assert_allclose(np.asarray(logits[1, :4]), np.asarray(lb[0]), atol=1e-4)
     np.testing.assert_allclose(np.asarray(k[:, 1, :4]), np.asarray(kb[:, 0]), atol=1e-5)
+
+
+def test_prefill_at_computes_the_asked_positions_only(model):
+    """`prefill_at`: the logits of one position per sequence, those of `prefill` there (its
+    LM head runs on those rows alone: the compiled program holds no [B, T, vocab] array), and
+    the same K and V."""
+    c = model.config
+    tokens = jax.random.randint(jax.random.key(5), (3, 21), 0, c.vocab_size, jnp.int32)
+    at = jnp.asarray([20, 6, 0], jnp.int32)
+    logits, k, v = model.prefill(tokens)
+    last, k2, v2 = model.prefill_at(tokens, at)
+    assert last.shape == (3, c.vocab_size) and last.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(last), np.asarray(logits[jnp.arange(3), at]), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(k2), np.asarray(k))
+    np.testing.assert_array_equal(np.asarray(v2), np.asarray(v))
+    graphdef, state = nnx.split(model)
+    hlo = (
+        jax.jit(lambda s, t, p: nnx.merge(graphdef, s).prefill_at(t, p))
+        .lower(state, tokens, at)
+        .compile()
+        .as_text()
+    )
+    assert f"f32[3,21,{c.vocab_size}]" not in hlo
+    with pytest.raises(ValueError, match="one position per sequence"):
+        model.prefill_at(tokens, at[:2])
+
+
+def test_long_prefill_matches_the_dense_softmax_across_blocks(monkeypatch):
+    """A prompt longer than one attention block (`models.causal.BLOCK`) with a sliding window
+    in some layers: the blocked prefill equals the forward with the dense softmax."""
+    from models import causal
+
+    cfg = tiny_config(max_seq_len=2048, sliding_window=300, sliding_layers=(0,))
+    m = Llama(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(6), (1, causal.BLOCK + 77), 0, 256, jnp.int32)
+    got = m(tokens)
+
+    def dense(q, k, v, window, band=None, precision=None):
+        return causal.causal_attention_reference(q, k, v, window, precision=precision)
+
+    monkeypatch.setattr("models.llama.causal_attention", dense)
+    want = m(tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=1e-4)
