@@ -464,7 +464,8 @@ def sparse_bounds(args, model, context: int, batch: int, runs) -> dict:
     one = dataclasses.replace(setup.placement, window=1)
     o = loop.replay(dataclasses.replace(setup, policy=oracle, placement=one), first).summary()
     rate["anneal-oracle, W 1 (replay)"] = o["modeled_tokens_per_s"]
-    limit = loop.limit(setup, first).summary()["modeled_tokens_per_s"]
+    belady = loop.limit(setup, first).summary()
+    limit = belady["modeled_tokens_per_s"]
     rate["belady (limit, replay)"] = limit
     with_plan = {row["policy"]: row["modeled_tokens_per_s_with_plan"] for row, _ in runs}
     field = {p: with_plan[p] for p in FIELD if p in with_plan}
@@ -501,6 +502,11 @@ def sparse_bounds(args, model, context: int, batch: int, runs) -> dict:
         steps=n,
         bounds_tokens_per_s=rate,
         best_field_rule=best_rule,
+        belady=dict(
+            modeled_tokens_per_s=limit,
+            hbm_hit_rate=float(belady["hbm_hit_rate"]),
+            migrated_blocks=int(belady["migrated_blocks"]),
+        ),
         crossings=b["crossings"],
         cases=rows,
         replay_equals_decode=bool(equal),
