@@ -149,6 +149,7 @@ def test_shell_block_commands_are_valid(i, stopped_at_work, capsys):
 
 def test_every_policy_name_on_the_results_page_resolves():
     """Every policy name bench/RESULTS.md reports a figure for is still a preset."""
+    import jaxkv.sim  # noqa: F401  the oracles (anneal-oracle, ...) register from the simulator
     from jaxkv.cost import CostModel
     from jaxkv.placement import presets
 
@@ -158,3 +159,8 @@ def test_every_policy_name_on_the_results_page_resolves():
     for name in sorted(found):
         policy = presets.resolve(name, CostModel())
         assert policy.name.startswith(name.split("+")[0].split("[")[0]), name
+    rows = set(re.findall(r"^\| \**([a-z][a-z-]*)\** \|", text, re.M))  # a table's first column
+    rules = {"lru-plan", "lru", "arc", "slru", "lfu", "tinylfu", "lrfu"}
+    assert rules <= rows, rules - rows
+    for name in sorted(rules):
+        assert presets.resolve(name, CostModel()).name.startswith(name.split("-")[0]), name
