@@ -446,11 +446,13 @@ def test_decode_step_must_hold(bench, mode, policy):
 @needs_plugin
 def test_lrfu_prefill_with_the_prompts_prior_compiles_for_the_h200(bench):
     """lrfu's prefill recomputes the prompt's last positions (`jaxkv.decode.prompt`): a second
-    scan over the layers beside the forward's, of known trip count; no host sync; the same
-    program at both contexts. Static's prefill drops the unread queries: one scan. (lrfu at
-    its defaults keeps 128 queries, in `lax.map` chunks: the adaptive estimator's test below;
-    here without it, 32.)"""
-    for policy, scans in (("static", 1), ("lrfu", 2)):
+    scan over the layers beside the forward's, and a third loop over the layers, the prior's
+    selection one layer at a time (`lax.map`: its vmapped working set over every layer was 18
+    GB at batch 16 x 8k), each of known trip count; no host sync; the same program at both
+    contexts. Static's prefill drops the unread queries: one scan. (lrfu at its defaults keeps
+    128 queries, in `lax.map` chunks: the adaptive estimator's test below; here without it,
+    32.)"""
+    for policy, scans in (("static", 1), ("lrfu", 3)):
         kw = {"policy_kwargs": {"steady_queries": 0}} if policy == "lrfu" else {}
         rows = _rows(bench, "sparse", policy, ["prefill"], **kw)
         for ctx in CONTEXTS:
