@@ -175,7 +175,10 @@ def test_host_loads_by_hand():
 def test_compiled_once_per_shape():
     anneal.run(problem(0), jax.random.key(0))
     size = anneal.run._cache_size()
-    for seed in (2, 4, 6):
+    # seeds of seed 0's structure (even, not 2 mod 3, not 3 mod 4: `problem`): same shapes,
+    # statics and optional fields (seed 2's spread is a new pytree; the test passed only while
+    # an earlier test in the same worker had compiled that variant)
+    for seed in (4, 6, 12):
         anneal.run(problem(seed), jax.random.key(seed))  # same shapes and statics
     assert anneal.run._cache_size() == size
     anneal.run(problem(0, n=13), jax.random.key(0))  # a new shape compiles once more
