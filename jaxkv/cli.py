@@ -386,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except Exception as e:
+        if interrupted_by(e):
+            return _interrupted(args.command, handled)
         if os.environ.get("JAXKV_TRACEBACK"):
             raise
         print(
@@ -395,11 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     except KeyboardInterrupt:
-        handled.set()
-        _ignore_sigint()  # a second Ctrl-C (or a re-delivered one) cannot cut the line short
-        _close_bars()
-        print(_end_line(sys.stderr) + _interrupted_line(args.command), file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+        return _interrupted(args.command, handled)
     finally:
         handled.set()
         stop()
@@ -407,6 +405,29 @@ def main(argv: list[str] | None = None) -> int:
         if on_int is not None and signal.getsignal(signal.SIGINT) is not on_int:
             with contextlib.suppress(ValueError):
                 signal.signal(signal.SIGINT, on_int)
+
+
+def _interrupted(command: str, handled: threading.Event) -> int:
+    """Ctrl-C's one line (the module docstring) and its exit status."""
+    handled.set()
+    _ignore_sigint()  # a second Ctrl-C (or a re-delivered one) cannot cut the line short
+    _close_bars()
+    print(_end_line(sys.stderr) + _interrupted_line(command), file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
+
+
+def interrupted_by(e: BaseException) -> bool:
+    """Whether `e` is, or was caused by, a KeyboardInterrupt. A Ctrl-C that lands inside a C
+    function which then returns normally (numpy's dtype hooks, seen under jax) surfaces as
+    "SystemError: ... returned a result with an exception set", the KeyboardInterrupt its
+    cause: that is the user's Ctrl-C, not a bug."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _one_line(e: BaseException) -> str:

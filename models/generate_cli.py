@@ -19,7 +19,7 @@ import sys
 import time
 
 from jaxkv.cache.quant import FP8_MODES
-from jaxkv.cli import held_output
+from jaxkv.cli import held_output, interrupted_by
 from jaxkv.decode.state import NonFiniteLogitsError, summarize
 from models import chat
 from models import generate as gen
@@ -193,15 +193,17 @@ def _cmd(args) -> int:
             for piece in stream:
                 if not args.json:
                     out.write(piece)
-        except KeyboardInterrupt:
+        except NonFiniteLogitsError as e:
+            out.close()
+            raise ValueError(str(e)) from None
+        except (KeyboardInterrupt, Exception) as e:
+            if not interrupted_by(e):  # a Ctrl-C may come wrapped (jaxkv.cli.interrupted_by)
+                raise
             stream.finish_reason = "interrupted"
             if not args.json:
                 out.write(stream.flush())
             _report(args, r, stream, info, time.perf_counter() - t0, out)
-            raise  # jaxkv.cli: one line, exit status 130
-        except NonFiniteLogitsError as e:
-            out.close()
-            raise ValueError(str(e)) from None
+            raise KeyboardInterrupt from None  # jaxkv.cli: one line, exit status 130
     _report(args, r, stream, info, time.perf_counter() - t0, out)
     return 0
 

@@ -20,6 +20,7 @@ def main() -> int:
     ap.add_argument("--processes", type=int, default=1)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--policy", default="lru-plan")
+    ap.add_argument("--policy-kwargs", default="{}", help="JSON knobs of the policy")
     ap.add_argument("--attention", default="exact")
     ap.add_argument("--fp8", default="off")
     ap.add_argument("--fp8-age", type=int, default=0)
@@ -65,10 +66,11 @@ def main() -> int:
         fp8_age=args.fp8_age,
     )
     pl = PlacementConfig(policy=args.policy, window=4, attention=args.attention, topk=0.3)
+    knobs = json.loads(args.policy_kwargs)
     prompts = np.asarray(jax.random.randint(jax.random.key(7), (B, 45), 0, 256), np.int32)
     lens = np.array([45, 30, 41, 12], np.int32)
     with jax.default_device(jax.local_devices()[0]):  # the one-device reference, per process
-        one = Decoder(model, cfg, pl, max_new_tokens=new)
+        one = Decoder(model, cfg, pl, max_new_tokens=new, policy_kwargs=knobs)
         ref = np.asarray(one.generate(params, one.prefill(params, prompts, lens)).tokens)
     mesh = sharded.make_mesh(nd, nm)
     bws = None if args.link_gbps is None else [float(x) * 1e9 for x in args.link_gbps.split(",")]
@@ -83,6 +85,7 @@ def main() -> int:
         shared_link=args.shared_link,
         plan_over=args.plan_over,
         profile="h200-pcie",
+        policy_kwargs=knobs,
     )
     sp = dec.shard_params(params)
     state = dec.prefill(sp, prompts, lens)

@@ -116,6 +116,7 @@ def _check_closes(rows, share: float):
     )
 
 
+@pytest.mark.slow  # about 17 s
 def test_closes_the_gap_to_the_exact_optimum_on_patterns():
     _check_closes(gaps(capture("patterns", 2), AnnealConfig()), 0.8)
 

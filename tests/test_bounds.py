@@ -208,6 +208,7 @@ def test_no_policy_beats_the_cache_bound(seed, sparsity, cap, geometry, keep_fet
     check_no_policy_beats_the_cache_bound(seed, sparsity, cap, geometry, keep_fetched)
 
 
+@pytest.mark.slow  # about 33 s; test_simulate keeps its Unlimited case in the default suite
 def test_no_policy_beats_the_cache_bound_on_one_case():
     check_no_policy_beats_the_cache_bound(7, 0.5, 3, "mid", True)
 

@@ -7,6 +7,7 @@ import models.demo as demo
 from jaxkv import cli
 
 
+@pytest.mark.slow  # about 60 s: the whole demo (the short runs below stay in the default suite)
 def test_demo_json_is_lossless_and_shows_placement(capsys, tmp_path):
     """Both runs: exact attention (lossless) and sparse attention on a slow link, where the
     policies' hit rates and modeled tokens/s differ but their tokens do not; the figure."""

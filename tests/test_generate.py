@@ -208,7 +208,7 @@ def test_chat_system_and_messages_render_under_the_template(chat_gguf, tmp_path,
 
 def test_sparse_attention_and_a_policy_object(capsys, tiny_loaded, tmp_path):
     (tmp_path / "mine.py").write_text(
-        "from jaxkv.placement.policies import Reactive\nmine = Reactive(name='mine')\n"
+        "from jaxkv.placement.policies import LruPlan\nmine = LruPlan(name='mine')\n"
     )
     rc, out, err = run(
         capsys,

@@ -207,3 +207,31 @@ def test_interrupt_lost_in_a_gc_callback_reaches_the_main_thread(monkeypatch):
     status, err = _main_with(monkeypatch, command)
     assert status == 130
     assert err == "jaxkv probe: interrupted (Ctrl-C); no output file was left half-written\n"
+
+
+def test_interrupt_wrapped_in_a_system_error_is_still_ctrl_c(monkeypatch):
+    """The local failure of 2026-12-07: a Ctrl-C landed inside numpy's dtype hook, which then
+    returned normally, so Python raised "SystemError: ... returned a result with an exception
+    set" with the KeyboardInterrupt as its cause, and `jaxkv generate` reported an internal
+    error (exit 1). An exception caused by a KeyboardInterrupt is the user's Ctrl-C."""
+
+    def command(args):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise SystemError("<function f> returned a result with an exception set") from e
+
+    status, err = _main_with(monkeypatch, command)
+    assert status == 130
+    assert err == "jaxkv probe: interrupted (Ctrl-C); no output file was left half-written\n"
+
+
+def test_interrupted_by_walks_the_chain_and_stops_at_a_cycle():
+    from jaxkv.cli import interrupted_by
+
+    a, b = ValueError("a"), RuntimeError("b")
+    a.__context__, b.__context__ = b, a  # a cycle, as a re-raised exception can make
+    assert not interrupted_by(a)
+    b.__cause__ = KeyboardInterrupt()
+    assert interrupted_by(a)
+    assert not interrupted_by(ValueError("plain"))

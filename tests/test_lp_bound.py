@@ -320,7 +320,7 @@ def test_bad_input():
 # and the paper's geometry; each case compiles the simulator once and reuses it on five traces
 CASES = [  # the default suite runs "small" (the others about 45 s each: make test-slow)
     pytest.param("paper", 3, 0.5, False, 0.0, marks=pytest.mark.slow),
-    ("small", 6, 0.0, True, 0.0),
+    pytest.param("small", 6, 0.0, True, 0.0, marks=pytest.mark.slow),  # about 33 s
     pytest.param("mid", 3, 0.5, False, 0.5, marks=pytest.mark.slow),
 ]
 

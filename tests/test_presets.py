@@ -51,7 +51,7 @@ def test_describe_knobs_are_the_policies_own_defaults():
 
     rows = {r["name"]: r for r in presets.describe()}
     assert rows["lrfu"]["knobs"] == {
-        k: getattr(Lrfu(), k) for k in ("prompt_prior", "steady_queries", "lookahead")
+        k: getattr(Lrfu(), k) for k in ("prompt_prior", "steady_queries", "lookahead", "slack")
     }
     sa = oracles.PaperSA()
     knobs = rows["paper-sa"]["knobs"]
