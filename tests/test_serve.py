@@ -68,12 +68,20 @@ def test_engine_equals_the_decoder_alone_and_compiles_each_function_once(tiny, s
     assert eng.idle and eng.free_pages == eng.pages
 
 
-def test_submit_refuses_bad_requests_naming_the_value(tiny):
+@pytest.fixture(scope="module")
+def small(tiny):
+    """An engine of 3 slots of 112 tokens and a host pool of 12 pages of 8 tokens."""
     model, params = tiny
-    eng = Engine(model, params, _cache(model, host_blocks=12, paged_host=True), chunk=16)
-    ok = np.arange(10, dtype=np.int32)
-    cases = [
-        ([], None, "the prompt is empty"),
+    return Engine(model, params, _cache(model, host_blocks=12, paged_host=True), chunk=16)
+
+
+OK_PROMPT = np.arange(10, dtype=np.int32)
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ([], None, r"^the prompt is empty: expected at least one token id$"),
         (np.zeros((2, 3), np.int32), None, r"prompt has shape \(2, 3\)"),
         ([1.5, 2.0], None, "prompt has dtype float64: expected integer token ids"),
         ([3, 256], None, r"prompt\[1\] = 256: expected token ids in \[0, vocab_size=256\)"),
@@ -82,35 +90,65 @@ def test_submit_refuses_bad_requests_naming_the_value(tiny):
         (np.zeros(100, np.int32), SamplingParams(max_new_tokens=12),
          r"keep 111 tokens in the cache, 13 sealed blocks of 8, more than the whole host pool's "
          r"12 pages"),
-        (ok, SamplingParams(stop_ids=(256,)), r"stop id 256 is outside the vocabulary"),
-        (ok, "greedy", "params: expected a SamplingParams, got a str"),
-    ]  # fmt: skip
-    for prompt, params_, message in cases:
-        with pytest.raises((ValueError, TypeError), match=message):
-            eng.submit(prompt, params_)
-    for kw, message in [
-        (dict(max_new_tokens=0), r"max_new_tokens=0: expected an int >= 1"),
-        (dict(max_new_tokens=-3), r"max_new_tokens=-3: expected an int >= 1"),
-        (dict(temperature=-1.0), r"temperature=-1.0: expected a finite number >= 0"),
-        (dict(temperature=math.nan), r"temperature=nan"),
-        (dict(top_k=0), r"top_k=0: expected None \(all tokens\) or an int >= 1"),
-        (dict(top_p=0.0), r"top_p=0.0: expected a number in \(0, 1\]"),
-        (dict(top_p=1.5), r"top_p=1.5"),
-        (dict(seed=-1), r"seed=-1: expected an int in \[0, 2\*\*32\)"),
-        (dict(stop_ids=3), r"stop_ids=3: expected None or a sequence of token ids"),
-        (dict(stop_ids=(-1,)), r"stop_ids=\(-1,\): expected token ids"),
-        (dict(stop_ids=tuple(range(9))), "stop_ids has 9 tokens: expected at most 8"),
-    ]:
-        with pytest.raises(ValueError, match=message):
-            SamplingParams(**kw)
-    long = Engine(model, params, _cache(model), chunk=16)
-    long.context = 50  # a model whose context is shorter than a slot
-    with pytest.raises(ValueError, match="the prompt has 60 tokens, longer than the model's "):
-        long.submit(np.zeros(60, np.int32))
-    assert not eng.queue  # nothing was queued
+        (OK_PROMPT, SamplingParams(stop_ids=(256,)),
+         r"stop id 256 is outside the vocabulary: expected ids < vocab_size=256"),
+    ],
+    ids=["empty", "2d", "float", "token-id", "slot", "pool", "stop-id"],
+)  # fmt: skip
+def test_submit_refuses_a_bad_request_naming_the_value(small, prompt, params, message):
+    queued = len(small.queue)
+    with pytest.raises(ValueError, match=message) as e:
+        small.submit(prompt, params)
+    assert "\n" not in str(e.value)  # one line
+    assert len(small.queue) == queued  # nothing was queued
+
+
+def test_submit_refuses_a_prompt_longer_than_the_models_context(tiny):
+    model, params = tiny
+    eng = Engine(model, params, _cache(model), chunk=16)
+    eng.context = 50  # a model whose context is shorter than a slot
+    with pytest.raises(ValueError, match="^the prompt has 60 tokens, longer than the model's "
+                       "context of 50 tokens$"):  # fmt: skip
+        eng.submit(np.zeros(60, np.int32))
+    assert not eng.queue
+
+
+def test_submit_refuses_params_of_another_type(small):
+    with pytest.raises(TypeError, match="params: expected a SamplingParams, got a str"):
+        small.submit(OK_PROMPT, "greedy")
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(max_new_tokens=0), r"^max_new_tokens=0: expected an int >= 1$"),
+        (dict(max_new_tokens=-3), r"^max_new_tokens=-3: expected an int >= 1$"),
+        (dict(max_new_tokens=2.0), r"^max_new_tokens=2.0: expected an int >= 1$"),
+        (dict(temperature=-1.0), r"^temperature=-1.0: expected a finite number >= 0"),
+        (dict(temperature=math.nan), r"^temperature=nan: expected a finite number"),
+        (dict(top_k=0), r"^top_k=0: expected None \(all tokens\) or an int >= 1$"),
+        (dict(top_k=-2), r"^top_k=-2: expected None \(all tokens\) or an int >= 1$"),
+        (dict(top_p=0.0), r"^top_p=0.0: expected a number in \(0, 1\]"),
+        (dict(top_p=1.5), r"^top_p=1.5: expected a number in \(0, 1\]"),
+        (dict(seed=-1), r"^seed=-1: expected an int in \[0, 2\*\*32\)$"),
+        (dict(seed=1.5), r"^seed=1.5: expected an int in \[0, 2\*\*32\)$"),
+        (dict(stop_ids=3), r"^stop_ids=3: expected None or a sequence of token ids$"),
+        (dict(stop_ids=(-1,)), r"^stop_ids=\(-1,\): expected token ids, ints >= 0$"),
+        (dict(stop_ids=tuple(range(9))), "^stop_ids has 9 tokens: expected at most 8$"),
+    ],
+    ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items())[:30] if isinstance(x, dict) else "",
+)
+def test_sampling_params_refuse_bad_values_naming_them(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kw)
+
+
+def test_submit_after_close_is_refused(tiny):
+    model, params = tiny
+    eng = Engine(model, params, _cache(model, host_blocks=12, paged_host=True), chunk=16)
     eng.close()
-    with pytest.raises(RuntimeError, match="submit: the engine is closed"):
-        eng.submit(ok)
+    with pytest.raises(RuntimeError, match="^submit: the engine is closed: create a new Engine$"):
+        eng.submit(OK_PROMPT)
 
 
 def test_cancel_frees_a_request_wherever_it_is(tiny, solo):
