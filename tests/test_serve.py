@@ -3,7 +3,6 @@ mix of requests, chunked prefill between decode steps, admission and preemption.
 
 import math
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
