@@ -13,6 +13,7 @@ prefill   the chunked prefill, through the model's own decode_step
 sampling  per-slot sampling (temperature, top-k, top-p, seed, stop tokens, budget)
 params    `SamplingParams` and the checks a request passes at submit
 state     `EngineState`, `StepOut`, `PrefillBuffer`
+timing    a run's log priced on a hardware profile and a model's sizes: throughput, TTFT, TPOT
 
 The runtime imports neither `jaxkv.sim` nor the `models` package.
 """

@@ -87,6 +87,7 @@ class Iteration:
 
     chunk: int = 0  # prompt tokens prefilled
     chunk_start: int = 0  # position of the chunk's first token in its prompt
+    inserted: int = 0  # tokens of the prompt inserted into a slot (its host pages written)
     decoded: int = 0  # tokens the decode step produced (0: no decode step)
     window: bool = False  # the decode step ended a window (a plan)
     out: dict | None = None  # the decode step's `StepOut`, on the host
@@ -109,8 +110,9 @@ class Engine:
       profile: the hardware profile of the modeled step latency (a name or a profile).
       eos_id: the model's stop token(s), every request's default `stop_ids`.
       chunk: tokens a prefill chunk takes at most (a long prompt takes several steps).
-      hbm_quota: HBM blocks per layer a request keeps of its prompt at insert (None: the free
-        slots; `jaxkv.serve.sharing`).
+      hbm_quota: HBM blocks per layer a request's prompt may take at insert (None: any free
+        slot); after the insert the policy's in-step rule and plans place blocks over the one
+        shared pool, quota or not.
       impl, ema_decay, policy_kwargs: as `jaxkv.Decoder`'s.
       check: check the cache's invariants (and the host's page count) after every step
         (slow; for tests).
@@ -345,6 +347,7 @@ class Engine:
         )  # fmt: skip
         first, reason = int(first), int(reason)
         it.wall_chunk += time.perf_counter() - t0
+        it.inserted = total
         r.status, r.slot = RUNNING, b
         r.admitted = self._admitted
         self._admitted += 1
