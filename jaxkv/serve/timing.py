@@ -56,6 +56,11 @@ class Sizes:
     dtype: str
     weight_bytes: float
 
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one block of one layer at these sizes: K and V of every KV head."""
+        itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[self.dtype]
+        return 2 * block_size * self.kv_heads * self.head_dim * itemsize
+
     @staticmethod
     def of_engine(engine, name: str = "as decoded") -> Sizes:
         """The engine's own: its cache's KV geometry and dtype, its model's weight bytes per
@@ -79,6 +84,21 @@ def priced_config(c: CacheConfig, sizes: Sizes) -> CacheConfig:
                                dtype=sizes.dtype)  # fmt: skip
 
 
+def prefill_seconds(it, c: CacheConfig, profile: HardwareProfile, sizes: Sizes) -> float:
+    """Modeled seconds of an iteration's prefill part (`Engine.log`'s `Iteration` `it`): its
+    chunk (weights once, the prompt's KV so far read, the chunk's written) and its insert (the
+    prompt's sealed blocks over the link), per layer the slower side, all layers."""
+    if not (it.chunk or it.inserted):
+        return 0.0
+    pc = priced_config(c, sizes)
+    token_b = pc.block_bytes / pc.block_size  # one token's K and V in one layer
+    read = (it.chunk_start + it.chunk) * token_b if it.chunk else 0.0
+    link = (it.inserted // pc.block_size) * float(pc.host_block_bytes)
+    t = layer_step_time(read, link, profile=profile, weight_bytes=sizes.weight_bytes if
+                        it.chunk else 0.0, hbm_write_bytes=it.chunk * token_b)  # fmt: skip
+    return c.num_layers * float(t)
+
+
 def iteration_seconds(log, c: CacheConfig, profile: HardwareProfile, sizes: Sizes,
                       plan_share: float = 0.0) -> dict:  # fmt: skip
     """Per iteration of `log` ([iterations] arrays): "prefill" and "step" modeled seconds (the
@@ -86,18 +106,9 @@ def iteration_seconds(log, c: CacheConfig, profile: HardwareProfile, sizes: Size
     weights, token writes, migrations' HBM side) and "link_bytes" (host reads and plan moves),
     all layers; "decoded" tokens. Module docstring for what is priced how."""
     pc = priced_config(c, sizes)
-    L, W = c.num_layers, sizes.weight_bytes
+    W = sizes.weight_bytes
     n = len(log)
-    prefill = np.zeros(n)
-    token_b = pc.block_bytes / pc.block_size  # one token's K and V in one layer
-    for i, it in enumerate(log):
-        if it.chunk or it.inserted:
-            read = (it.chunk_start + it.chunk) * token_b if it.chunk else 0.0
-            write = it.chunk * token_b
-            link = (it.inserted // pc.block_size) * float(pc.host_block_bytes)
-            t = layer_step_time(read, link, profile=profile, weight_bytes=W if it.chunk else 0.0,
-                                hbm_write_bytes=write)  # fmt: skip
-            prefill[i] = L * float(t)
+    prefill = np.array([prefill_seconds(it, c, profile, sizes) for it in log])
     step = np.zeros(n)
     hbm_bytes, link_bytes = np.zeros(n), np.zeros(n)
     idx = [i for i, it in enumerate(log) if it.out is not None]
