@@ -5,7 +5,9 @@ way the field measures tiering (issue 47).
 The headline: HBM holds the full KV of N requests (N slots of `max_len` tokens). The all-HBM
 engine runs N requests at once, its limit; the tiered engine, with the same HBM pool and every
 request's KV on host (write-through), runs 2N, 4N, 8N at once (`--multiples`) under each policy
-(`--policies`: lrfu, the live policy, and the field's rules, e.g. lru, the LRU hot buffer).
+(`--policies`: lrfu, the live policy, and the field's rules, e.g. lru, the LRU hot buffer;
+`--quota` adds lru-quota, the same HBM split evenly into a fixed LRU hot buffer per request,
+SGLang HiSparse's design: `jaxkv.placement.policies.lru_quota`).
 Attention is sparse by default (each step reads its top `--topk` blocks plus sink and recent
 ones, the same in every engine: sparse selection depends on the logical blocks only).
 
@@ -51,6 +53,7 @@ import numpy as np
 
 from jaxkv.config import PROFILES, CacheConfig, PlacementConfig
 from jaxkv.cost import GEOMETRIES
+from jaxkv.placement.policies.lru_quota import LruQuota
 from jaxkv.placement.presets import split_policies
 from jaxkv.serve import Engine, SamplingParams, timing
 from models.bench_serve_report import format_report, plot_report
@@ -61,6 +64,7 @@ DEFAULT_POLICIES = ("lrfu", "lru")
 DEFAULT_MULTIPLES = (2, 4, 8)
 PRICE_PROFILES = ("gh200", "h200-pcie")
 BIG_SIZES = "llama3-8b"
+QUOTA = "lru-quota"  # `LruQuota`, the pool split evenly among the requests
 CORPUS = ("argparse.py", "textwrap.py", "dataclasses.py", "functools.py", "inspect.py")
 
 
@@ -84,6 +88,7 @@ class Options:
     profile: str = "gh200"
     price_profiles: tuple[str, ...] = PRICE_PROFILES
     seed: int = 0
+    quota: bool = False  # also run "lru-quota": a fixed hot buffer per request (HiSparse)
 
     def check(self) -> None:
         """ValueError naming the option for any bad value, before anything loads."""
@@ -201,15 +206,21 @@ def _engine(model, params, o: Options, concurrency: int, policy: str, all_hbm: b
     )  # fmt: skip
     if not all_hbm:
         base = dataclasses.replace(base, hbm_fraction=None, hbm_blocks=o.n * base.max_blocks)
+    quota = None
+    if policy == QUOTA:  # the pool split evenly: each request's prompt and hot buffer capped
+        quota = base.hbm_pool_slots // concurrency
+        policy = LruQuota(quota=quota, seq_blocks=base.max_blocks)
     place = PlacementConfig(policy=policy, window=o.window, attention=o.attention, topk=o.topk)
-    return Engine(model, params, base, place, profile=o.profile, chunk=o.chunk, eos_id=eos)
+    return Engine(model, params, base, place, profile=o.profile, chunk=o.chunk, eos_id=eos,
+                  hbm_quota=quota)  # fmt: skip
 
 
 def runs_of(o: Options) -> list[tuple[str, int, bool]]:
     """(policy, concurrency, all-HBM) of every run: all-HBM at N, then each policy at each
     multiple of N."""
     out = [("all-hbm", o.n, True)]
-    out += [(p, o.n * int(m), False) for p in o.policies for m in o.multiples]
+    pols = (*o.policies, QUOTA) if o.quota else o.policies
+    out += [(p, o.n * int(m), False) for p in pols for m in o.multiples]
     return out
 
 
@@ -332,7 +343,7 @@ def options_of(args) -> Options:
         requests_per_slot=args.requests_per_slot, rate=args.rate, chunk=args.chunk,
         block_size=args.block_size, window=args.window, profile=args.profile,
         price_profiles=tuple(split_policies(args.price_profiles, "--price-profiles")),
-        seed=args.seed,
+        seed=args.seed, quota=args.quota,
     )  # fmt: skip
 
 
@@ -389,6 +400,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--price-profiles", default=",".join(o.price_profiles),
                    help="profiles every run is priced on")  # fmt: skip
     p.add_argument("--seed", type=int, default=o.seed, help="the workload's seed")
+    p.add_argument("--quota", action="store_true",
+                   help="also run lru-quota: HBM split evenly into a fixed LRU hot buffer per "
+                   "request (HiSparse's design), against the shared pool")  # fmt: skip
     p.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
     p.add_argument("--plot", default=None, metavar="PATH.png",
                    help="write throughput and TPOT against concurrency")  # fmt: skip

@@ -18,6 +18,7 @@ import pytest
 from jaxkv import CacheConfig, PlacementConfig
 from jaxkv import cache as kvc
 from jaxkv.config import TIER_HBM
+from jaxkv.placement.policies.lru_quota import LruQuota
 from jaxkv.serve import Engine, SamplingParams
 
 MAX_LEN, BS, SLOTS, PAGES = 112, 8, 3, 16  # a request takes up to 13 pages: preemptions
@@ -53,12 +54,17 @@ _engines = {}
 def _engine(tiny, policy):
     """One engine per policy for the module (its compilations are what a test waits for; a
     schedule leaves it idle, and the next schedule runs on it as on a fresh one)."""
-    if policy not in _engines:
+    name = policy
+    if name not in _engines:
         model, params = tiny
         c = _config(model, hbm_fraction=0.3, host_blocks=PAGES)
+        quota = None
+        if policy == "lru-quota":  # HiSparse's fixed hot buffer per request, the pool split
+            quota = c.hbm_pool_slots // SLOTS
+            policy = LruQuota(quota=quota, seq_blocks=c.max_blocks)
         place = PlacementConfig(policy=policy, window=4, max_moves=8)
-        _engines[policy] = Engine(model, params, c, place, chunk=16)
-    return _engines[policy]
+        _engines[name] = Engine(model, params, c, place, chunk=16, hbm_quota=quota)
+    return _engines[name]
 
 
 @dataclasses.dataclass
@@ -167,7 +173,9 @@ def test_random_schedule_equals_solo_decoding(tiny, solo, policy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["static", "lrfu", "anneal", "lru", "anneal+reuse+follow"])
+@pytest.mark.parametrize(
+    "policy", ["static", "lrfu", "anneal", "lru", "anneal+reuse+follow", "lru-quota"]
+)
 def test_random_schedules_sweep(tiny, solo, policy):
     """Twelve schedules of 4 to 14 requests a policy, on one engine: every one equals solo
     decoding with the accounts holding after every step, and nothing recompiles."""
