@@ -33,7 +33,10 @@ Beside each ratio of the headline, its physical ceiling: while both engines are 
 reads no concurrency beats 1 + W / (N x r), W the weight bytes a step reads and N x r the KV
 bytes the all-HBM engine's N requests read per step (measured: its full-batch steps); and
 whether the tiered steps stay HBM-bound (link bytes below B_link / B_hbm of their HBM bytes).
-Where tiering loses (ratio < 1), the table says so.
+Where tiering loses (ratio < 1), the table says so. Beside it, the ceiling the same read
+fraction (blocks read over blocks written in the all-HBM engine's full-batch steps) would give
+at deployment scale, HBM holding 80 GB of KV (`DEPLOYED_KV`): 1 + W / (80 GB x fraction),
+about 1.7x for Llama-3.1-8B at 25% reads.
 
 The model is SmolLM2-135M-Instruct when it is in the local cache (`models.named`; never
 fetched by this command), else the small default model, with a note.
@@ -64,6 +67,7 @@ DEFAULT_POLICIES = ("lrfu", "lru")
 DEFAULT_MULTIPLES = (2, 4, 8)
 PRICE_PROFILES = ("gh200", "h200-pcie")
 BIG_SIZES = "llama3-8b"
+DEPLOYED_KV = 80e9  # bytes of KV an HBM holds at deployment scale (the GH200 example)
 QUOTA = "lru-quota"  # `LruQuota`, the pool split evenly among the requests
 CORPUS = ("argparse.py", "textwrap.py", "dataclasses.py", "functools.py", "inspect.py")
 
@@ -276,13 +280,16 @@ def bench_serve(o: Options, *, progress: bool = True, log=print) -> dict:
             full = [it for it in steps if int(it.out["active"].sum()) == conc] or steps
             kv_blocks = float(np.mean([it.out["hbm_blocks"].sum() + it.out["host_blocks"].sum()
                                        for it in full]))  # fmt: skip
+            written = [np.ceil((it.out["lengths"] + 1) / o.block_size)[it.out["active"]].sum()
+                       * mc.num_layers for it in full]  # fmt: skip
+            read_fraction = kv_blocks / max(float(np.mean(written)), 1.0)
             results.append(dict(
                 policy=policy, concurrency=conc, all_hbm=all_hbm, requests=len(eng.requests),
                 hbm_blocks_per_layer=eng.cache_config.hbm_slots,
                 wall_s=time.perf_counter() - t0, wall_run_s=wall_run,
                 wall_step_ms=1e3 * float(np.median([it.wall_step for it in steps])),
                 preemptions=eng.preemptions, plan_share=share,
-                kv_blocks_per_full_step=kv_blocks, priced=priced,
+                kv_blocks_per_full_step=kv_blocks, read_fraction=read_fraction, priced=priced,
             ))  # fmt: skip
             eng.close()
     return dict(
@@ -304,6 +311,8 @@ def headline(results: list[dict], o: Options, own, big, layers: int) -> list[dic
     for sizes in (own, big):
         kv_step = base["kv_blocks_per_full_step"] * sizes.block_bytes(o.block_size)  # N x r
         ceiling = 1.0 + sizes.weight_bytes * layers / kv_step
+        # the same read fraction at deployment scale: HBM holding DEPLOYED_KV bytes of KV
+        deployed = 1.0 + sizes.weight_bytes * layers / (DEPLOYED_KV * base["read_fraction"])
         for prof in o.price_profiles:
             ref = base["priced"][sizes.name][prof]["tokens_per_s"]
             for r in results:
@@ -315,6 +324,7 @@ def headline(results: list[dict], o: Options, own, big, layers: int) -> list[dic
                     ceiling=ceiling, link_share=p["link_share"],
                     link_limit=PROFILES[prof].link_bandwidth / PROFILES[prof].hbm_bandwidth,
                     hbm_bound=p["hbm_bound"], loses=bool(ratio < 1.0 and not r["all_hbm"]),
+                    read_fraction=base["read_fraction"], deployed_ceiling=deployed,
                 ))  # fmt: skip
     return rows
 

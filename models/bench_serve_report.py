@@ -30,6 +30,15 @@ def format_headline(report: dict) -> str:
         "1 + W / (N x r) while both engines are HBM-bound; link/HBM: the tiered steps' link "
         "bytes over their HBM bytes, HBM-bound below the limit B_link / B_hbm",
     ]
+    rows = report["headline"]
+    per = {}
+    for row in rows:
+        per.setdefault(row["sizes"], row)
+    lines += [
+        f"read fraction (all-HBM, full batch): {100 * rows[0]['read_fraction']:.1f}% of the "
+        "blocks written; the ceiling at that fraction with 80 GB of KV in HBM: "
+        + ", ".join(f"{s} {r['deployed_ceiling']:.2f}x" for s, r in per.items())
+    ]
     head = (
         f"{'sizes':<34} {'profile':<10} {'engine':<9} {'conc':>5} {'tok/s':>11} {'ratio':>6} "
         f"{'ceiling':>7} {'link/HBM':>9} {'limit':>6}  verdict"
