@@ -82,9 +82,9 @@ class Options:
     policies: tuple[str, ...] = DEFAULT_POLICIES
     attention: str = "sparse"
     topk: float = 0.25
-    prompt_len: tuple[int, int] = (128, 384)
-    output_len: tuple[int, int] = (32, 64)
-    requests_per_slot: float = 2.0
+    prompt_len: tuple[int, int] = (128, 320)
+    output_len: tuple[int, int] = (24, 48)
+    requests_per_slot: float = 1.5
     rate: float | None = None
     chunk: int = 256
     block_size: int = 16
@@ -396,8 +396,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    help="tiered engines' policies (default: %(default)s)")  # fmt: skip
     p.add_argument("--attention", choices=("exact", "sparse"), default=o.attention)
     p.add_argument("--topk", type=float, default=o.topk, help="sparse: fraction of blocks read")
-    p.add_argument("--prompt-len", default="128:384", help="prompt tokens, uniform in LO:HI")
-    p.add_argument("--output-len", default="32:64", help="output tokens, uniform in LO:HI")
+    p.add_argument("--prompt-len", default="128:320", help="prompt tokens, uniform in LO:HI")
+    p.add_argument("--output-len", default="24:48", help="output tokens, uniform in LO:HI")
     p.add_argument("--requests-per-slot", type=float, default=o.requests_per_slot,
                    help="requests a run takes, per concurrent request")  # fmt: skip
     p.add_argument("--rate", type=float, default=None,

@@ -90,7 +90,8 @@ def format_report(report: dict) -> str:
         f"{o['prompt_len'][1]} tokens, outputs {o['output_len'][0]}-{o['output_len'][1]} "
         "(uniform), cut from the standard library's sources; "
         + (f"Poisson arrivals at {o['rate']:g}/s" if o["rate"] else "fixed concurrency")
-        + f"; engines decide under {o['profile']}; seed {o['seed']}"
+        + f"; seed {o['seed']}\nthe engines decide under {o['profile']} (lrfu's slack: the "
+        "promotions its link time hides); every profile prices those same decisions"
     )
     return "\n\n".join([work, format_headline(report), format_runs(report)])
 
