@@ -60,7 +60,7 @@ from jaxkv.placement.policies.lru_quota import LruQuota
 from jaxkv.placement.presets import split_policies
 from jaxkv.serve import Engine, SamplingParams, timing
 from models.bench_serve_report import format_report, plot_report
-from models.generate import check_live_policy, encode, load_model
+from models.generate import check_live_policy, check_model_spec, encode, load_model
 from models.record import check_writable
 
 DEFAULT_POLICIES = ("lrfu", "lru")
@@ -96,6 +96,10 @@ class Options:
 
     def check(self) -> None:
         """ValueError naming the option for any bad value, before anything loads."""
+        if self.model is not None:
+            check_model_spec(self.model, "--model")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"--seed={self.seed!r}: expected an int >= 0")
         for name in ("n", "chunk", "block_size", "window"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -387,34 +391,100 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         help="the serving engine at a fixed concurrency: all-HBM at N requests against the "
         "tiered cache at 2N, 4N, 8N with the same HBM (modeled throughput, TTFT, TPOT)",
     )
-    p.add_argument("--model", default=None,
-                   help="smollm2 (default when cached), 'default' (the small trained model), a "
-                   "HF folder or a .gguf file")  # fmt: skip
-    p.add_argument("--n", type=int, default=o.n, help="N: requests whose full KV HBM holds")
-    p.add_argument("--multiples", default="2,4,8", help="tiered concurrencies as multiples of N")
-    p.add_argument("--policies", default=",".join(o.policies),
-                   help="tiered engines' policies (default: %(default)s)")  # fmt: skip
-    p.add_argument("--attention", choices=("exact", "sparse"), default=o.attention)
-    p.add_argument("--topk", type=float, default=o.topk, help="sparse: fraction of blocks read")
-    p.add_argument("--prompt-len", default="128:320", help="prompt tokens, uniform in LO:HI")
-    p.add_argument("--output-len", default="24:48", help="output tokens, uniform in LO:HI")
-    p.add_argument("--requests-per-slot", type=float, default=o.requests_per_slot,
-                   help="requests a run takes, per concurrent request")  # fmt: skip
-    p.add_argument("--rate", type=float, default=None,
-                   help="Poisson arrivals at this many requests per modeled second (default: a "
-                   "fixed concurrency)")  # fmt: skip
-    p.add_argument("--chunk", type=int, default=o.chunk, help="prefill chunk tokens")
-    p.add_argument("--block-size", type=int, default=o.block_size)
-    p.add_argument("--window", type=int, default=o.window, help="steps between plans")
-    p.add_argument("--profile", default=o.profile, help="the profile the engines decide under")
-    p.add_argument("--price-profiles", default=",".join(o.price_profiles),
-                   help="profiles every run is priced on")  # fmt: skip
-    p.add_argument("--seed", type=int, default=o.seed, help="the workload's seed")
-    p.add_argument("--quota", action="store_true",
-                   help="also run lru-quota: HBM split evenly into a fixed LRU hot buffer per "
-                   "request (HiSparse's design), against the shared pool")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default=None,
+        help="smollm2 (default when cached), 'default' (the small trained model), a "
+        "HF folder or a .gguf file",
+    )
+    p.add_argument(
+        "--n",
+        type=int,
+        default=o.n,
+        help="N: requests whose full KV HBM holds (default: %(default)s)",
+    )
+    p.add_argument(
+        "--multiples",
+        default="2,4,8",
+        help="tiered concurrencies as multiples of N (default: %(default)s)",
+    )
+    p.add_argument(
+        "--policies",
+        default=",".join(o.policies),
+        help="tiered engines' policies (default: %(default)s)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=("exact", "sparse"),
+        default=o.attention,
+        help="every engine's attention (default: %(default)s)",
+    )
+    p.add_argument(
+        "--topk",
+        type=float,
+        default=o.topk,
+        help="sparse: fraction of blocks read (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prompt-len",
+        default="128:320",
+        help="prompt tokens, uniform in LO:HI (default: %(default)s)",
+    )
+    p.add_argument(
+        "--output-len",
+        default="24:48",
+        help="output tokens, uniform in LO:HI (default: %(default)s)",
+    )
+    p.add_argument(
+        "--requests-per-slot",
+        type=float,
+        default=o.requests_per_slot,
+        help="requests a run takes, per concurrent request (default: %(default)s)",
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="Poisson arrivals at this many requests per modeled second (default: a "
+        "fixed concurrency)",
+    )
+    p.add_argument(
+        "--chunk", type=int, default=o.chunk, help="prefill chunk tokens (default: %(default)s)"
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=o.block_size,
+        help="tokens a KV block (default: %(default)s)",
+    )
+    p.add_argument(
+        "--window", type=int, default=o.window, help="steps between plans (default: %(default)s)"
+    )
+    p.add_argument(
+        "--profile",
+        default=o.profile,
+        help="the profile the engines decide under (default: %(default)s)",
+    )
+    p.add_argument(
+        "--price-profiles",
+        default=",".join(o.price_profiles),
+        help="profiles every run is priced on (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=o.seed, help="the workload's seed (default: %(default)s)"
+    )
+    p.add_argument(
+        "--quota",
+        action="store_true",
+        help="also run lru-quota: HBM split evenly into a fixed LRU hot buffer per "
+        "request (HiSparse's design), against the shared pool",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
-    p.add_argument("--plot", default=None, metavar="PATH.png",
-                   help="write throughput and TPOT against concurrency")  # fmt: skip
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH.png",
+        help="write throughput and TPOT against concurrency",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd)
