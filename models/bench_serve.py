@@ -168,9 +168,10 @@ def make_workload(ids: np.ndarray, count: int, o: Options, seed: int) -> Workloa
     return Workload(prompts, outputs, arrivals)
 
 
-def drive(eng: Engine, w: Workload, concurrency: int, bar=None, stop=None) -> float:
+def drive(eng: Engine, w: Workload, concurrency: int, bar=None, clocks=None) -> float:
     """Runs workload `w` through `eng` (fixed concurrency, or `w.arrivals` on the engine's
-    modeled clock), updating `bar` by the tokens produced; returns the wall seconds."""
+    modeled clock), updating `bar` by the tokens produced; returns the wall seconds. With
+    arrivals, `clocks` (a dict) receives each request's modeled submission time."""
     t0 = time.perf_counter()
     c = eng.cache_config
     profile, sizes = eng.core.decoder.profile, timing.Sizes.of_engine(eng)
@@ -179,7 +180,10 @@ def drive(eng: Engine, w: Workload, concurrency: int, bar=None, stop=None) -> fl
 
     def submit(i):
         p = SamplingParams(max_new_tokens=w.outputs[i], stop_ids=())
-        live.add(eng.submit(w.prompts[i], p))
+        rid = eng.submit(w.prompts[i], p)
+        live.add(rid)
+        if clocks is not None:
+            clocks[rid] = clock
 
     while pending < total or live:
         if w.arrivals is None:

@@ -112,3 +112,30 @@ def test_bench_script_adds_the_result_paths():
     assert got[:3] == ["bench-serve", "--n", "2"] and got[got.index("--json") + 1].endswith(
         "bench_serve.json")  # fmt: skip
     assert bench_serve.argv(["--json", "x.json"]).count("--json") == 1
+
+
+def test_poisson_arrivals_submit_each_request_once_its_time_comes(tiny):
+    """With a rate, request i is submitted at the first iteration whose modeled clock (the
+    engine's profile, its own sizes) reached its arrival; an idle engine jumps to the next."""
+    import numpy as np
+
+    from jaxkv import CacheConfig, PlacementConfig
+    from jaxkv.serve import Engine, timing
+    from models import bench_serve as bs
+
+    model, params = tiny
+    o = bs.Options(prompt_len=(10, 30), output_len=(3, 8), rate=3e5, chunk=16)
+    work = bs.make_workload(np.arange(500) % 256, 6, o, seed=1)
+    assert list(work.arrivals) == sorted(work.arrivals) and work.arrivals[0] > 0
+    c = CacheConfig.for_model(model.config, batch=2, max_len=o.max_len, block_size=8,
+                              paged_host=True, hbm_fraction=0.5)  # fmt: skip
+    eng = Engine(model, params, c, PlacementConfig(policy="lrfu"), chunk=16)
+    clocks = {}
+    bs.drive(eng, work, concurrency=2, clocks=clocks)
+    assert all(r.status == "finished" for r in eng.requests.values()) and len(eng.requests) == 6
+    prof, sizes = eng.core.decoder.profile, timing.Sizes.of_engine(eng)
+    longest = max(timing.prefill_seconds(it, c, prof, sizes) + (float(it.out["latency"]) if
+                  it.out is not None else 0.0) for it in eng.log)  # fmt: skip
+    for rid, t in clocks.items():  # never early, at most one iteration late
+        assert work.arrivals[rid] <= t <= work.arrivals[rid] + longest + 1e-12
+    assert len({r.submitted for r in eng.requests.values()}) > 1  # spread over the run
