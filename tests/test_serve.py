@@ -207,6 +207,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(tiny):
     assert len(produced) >= 7 and all(n == 1 for n in produced)  # never stalled
 
 
+@pytest.mark.slow  # about 30 s (two engines); test_serve_schedules.py preempts by default
 def test_admission_waits_for_pages_and_the_newest_is_preempted(tiny, solo):
     """A pool of 12 pages: the second request waits until the first's pages can hold its
     prompt and budget; when the running requests' growth runs the pool out, the newest is
