@@ -15,7 +15,8 @@ from jaxkv import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model", "default", "--n", "1", "--multiples", "2", "--policies", "lrfu", "--chunk",
-        "64", "--prompt-len", "40:80", "--output-len", "6:12", "--no-progress"]  # fmt: skip
+        "64", "--prompt-len", "40:80", "--output-len", "6:12", "--no-progress",
+        "--requests-per-slot", "2"]  # fmt: skip
 
 
 def test_bench_serve_tiny_writes_its_report(capsys, tmp_path):
