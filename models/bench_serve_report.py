@@ -39,8 +39,9 @@ def format_headline(report: dict) -> str:
         "blocks written; the ceiling at that fraction with 80 GB of KV in HBM: "
         + ", ".join(f"{s} {r['deployed_ceiling']:.2f}x" for s, r in per.items())
     ]
+    w = max(9, *(len(r["policy"]) for r in report["headline"]))
     head = (
-        f"{'sizes':<34} {'profile':<10} {'engine':<9} {'conc':>5} {'tok/s':>11} {'ratio':>6} "
+        f"{'sizes':<34} {'profile':<10} {'engine':<{w}} {'conc':>5} {'tok/s':>11} {'ratio':>6} "
         f"{'ceiling':>7} {'link/HBM':>9} {'limit':>6}  verdict"
     )
     lines += ["", head, "-" * len(head)]
@@ -51,7 +52,7 @@ def format_headline(report: dict) -> str:
             lines.append("")
         last = key
         lines.append(
-            f"{row['sizes'][:34]:<34} {row['profile']:<10} {row['policy']:<9} "
+            f"{row['sizes'][:34]:<34} {row['profile']:<10} {row['policy']:<{w}} "
             f"{row['concurrency']:>5} {row['tokens_per_s']:>11,.0f} {row['ratio']:>5.2f}x "
             f"{row['ceiling']:>6.2f}x {100 * row['link_share']:>8.2f}% "
             f"{100 * row['link_limit']:>5.1f}%  {_verdict(row)}"
@@ -64,8 +65,9 @@ def format_runs(report: dict) -> str:
     p99 in ms, hit rate, link bytes per token, preemptions, wall seconds."""
     own = report["own_sizes"]
     profiles = report["options"]["price_profiles"]
+    w = max(9, *(len(r["policy"]) for r in report["runs"]))
     head = (
-        f"{'engine':<9} {'conc':>4} {'profile':<10} {'tok/s':>10} {'TTFT p50/p99 ms':>17} "
+        f"{'engine':<{w}} {'conc':>4} {'profile':<10} {'tok/s':>10} {'TTFT p50/p99 ms':>17} "
         f"{'TPOT p50/p99 ms':>17} {'hit':>6} {'link B/tok':>11} {'preempt':>7} {'wall s':>7} "
         f"{'step ms':>7}"
     )
@@ -74,7 +76,7 @@ def format_runs(report: dict) -> str:
         for prof in profiles:
             p = r["priced"][own][prof]
             lines.append(
-                f"{r['policy']:<9} {r['concurrency']:>4} {prof:<10} {p['tokens_per_s']:>10,.0f} "
+                f"{r['policy']:<{w}} {r['concurrency']:>4} {prof:<10} {p['tokens_per_s']:>10,.0f} "
                 f"{1e3 * p['ttft_p50_s']:>8.3f}/{1e3 * p['ttft_p99_s']:<8.3f} "
                 f"{1e3 * p['tpot_p50_s']:>8.4f}/{1e3 * p['tpot_p99_s']:<8.4f} "
                 f"{100 * p['hbm_hit_rate']:>5.1f}% {p['link_bytes_per_token']:>11,.0f} "
