@@ -49,7 +49,7 @@ test-gpu-compile: $(STAMP)
 	@$(PY) -c 'import importlib.util as u, sys; sys.exit(not any(u.find_spec(m) for m in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")))' 2>/dev/null \
 	  || $(PY) -m pip install -q -e '.[gpu-compile]'
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 -m gpu_compile tests/test_gpu_compile.py \
-	  tests/pallas_kernels/test_kernel_fp8_attention.py
+	  tests/test_gpu_compile_serve.py tests/pallas_kernels/test_kernel_fp8_attention.py
 	JAX_PLATFORMS=cpu $(PY) bench/gpu_ops.py $(GPU_COMPILE_CHECK)
 	JAX_PLATFORMS=cpu $(PY) bench/gpu_ops_sharded.py --check
 

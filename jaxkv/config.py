@@ -157,6 +157,14 @@ class CacheConfig:
         attention does not depend on placement. "exclusive": every block lives in exactly one
         tier; a demotion writes the block back over the link. For hosts smaller than the KV
         (a host_* capacity below `batch * max_blocks`).
+      paged_host: under write-through, the host copies live in one pool of `host_slots` pages
+        shared by every sequence (the serving engine's cache, `jaxkv.serve`): a block takes
+        the first free page when it is sealed (`TieredKVCache.host_page` records it) and
+        gives it back when its sequence is released (`jaxkv.cache.rows.release`), so the host
+        pool may be smaller than the footprint. Whoever fills the cache keeps a free page for
+        every block that seals (the engine admits and preempts requests for it); the batch
+        `prefill` does not take a paged cache. False (the default): block j of sequence b
+        has its copy at page b * max_blocks + j.
     """
 
     num_layers: int
@@ -177,6 +185,7 @@ class CacheConfig:
     fp8: str = "off"
     fp8_age: int = 0
     host_tier: str = "write-through"
+    paged_host: bool = False
     # refused with a message naming the keyword to use (see the docstring); never stored
     hbm_capacity: dataclasses.InitVar[object] = None
     host_capacity: dataclasses.InitVar[object] = None
@@ -216,15 +225,23 @@ class CacheConfig:
                 f"batch={self.batch} sequences needs one HBM tail block: expected >= "
                 f"{self.batch} blocks per layer{self._bytes_hint('hbm', self.batch)}"
             )
-        if self.write_through and self.host_slots < self.total_blocks:
+        if not isinstance(self.paged_host, bool):
+            raise ValueError(f"paged_host must be a bool, got {self.paged_host!r}")
+        if self.paged_host and not self.write_through:
+            raise ValueError(
+                "paged_host=True pages the write-through host copies: expected "
+                f"host_tier='write-through', got {self.host_tier!r}"
+            )
+        if self.write_through and not self.paged_host and self.host_slots < self.total_blocks:
             raise ValueError(
                 f"{self._spec('host')} gives {self.host_slots} host blocks per layer, but "
                 f"host_tier='write-through' keeps a host copy of every block: expected "
                 f"{self.total_blocks} (batch={self.batch} x {self.max_blocks} blocks of "
                 f"{self.block_size} tokens for max_len={self.max_len}), or no host_* capacity; "
-                "for a host smaller than the KV use host_tier='exclusive'"
+                "for a host smaller than the KV use host_tier='exclusive', or paged_host=True "
+                "(a pool shared by the sequences, as the serving engine keeps it)"
             )
-        if hbm + self.host_slots < self.total_blocks:
+        if hbm + self.host_slots < self.total_blocks and not self.paged_host:
             raise ValueError(
                 f"{self._spec('host')} gives {self.host_slots} host blocks per layer; with {hbm} "
                 f"HBM blocks the cache needs at least {self.total_blocks - hbm} to hold "

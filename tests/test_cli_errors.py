@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+import models.bench_serve
 import models.demo
 import models.generate
 import models.record
@@ -32,6 +33,7 @@ def no_work(monkeypatch):
     monkeypatch.setattr(models.generate, "load_model", fail)
     monkeypatch.setattr(models.record, "load_model", fail)
     monkeypatch.setattr(models.demo, "load_model", fail)
+    monkeypatch.setattr(models.bench_serve, "load_model", fail)
 
 
 def error(capsys, argv) -> str:
@@ -427,6 +429,15 @@ BAD_TEXT = {
     ("trace", "--prompt-file"): "/nonexistent/prompt.txt",
     ("trace", "--name"): None,
     ("trace", "--out"): "",
+    ("bench-serve", "--model"): "",
+    ("bench-serve", "--multiples"): "2,x",
+    ("bench-serve", "--policies"): "static,,lru",
+    ("bench-serve", "--prompt-len"): "50:10",
+    ("bench-serve", "--output-len"): "a:b",
+    ("bench-serve", "--profile"): "tpu",
+    ("bench-serve", "--price-profiles"): "gh200,tpu",
+    ("bench-serve", "--json"): "",
+    ("bench-serve", "--plot"): "",
 }
 NEEDS = {  # what a command needs to run at all
     "generate": ["--prompt", "x"],

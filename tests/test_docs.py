@@ -74,6 +74,7 @@ class _Started(BaseException):
 
 @pytest.fixture
 def stopped_at_work(monkeypatch):
+    import models.bench_serve
     import models.demo
     import models.generate
     import models.record
@@ -89,6 +90,7 @@ def stopped_at_work(monkeypatch):
         (models.generate, "load_model"),
         (models.record, "load_model"),
         (models.demo, "load_model"),
+        (models.bench_serve, "load_model"),
     ):
         monkeypatch.setattr(module, name, started)
     monkeypatch.chdir(ROOT)

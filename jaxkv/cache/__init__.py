@@ -4,8 +4,8 @@ The room's public names are importable from here (`from jaxkv import cache as kv
 `kvc.prefill(...)`); each lives in one module:
   layout     `TieredKVCache`, the pytree: pools, block table, free masks; shardings and the
              host-pool size check
-  ops        prefill, write_token, advance, compact, and the debug views (to_dense,
-             check_invariants, fragmentation)
+  ops        prefill, write_token, advance, compact
+  views      the debug views: to_dense, check_invariants, fragmentation
   migration  plan_moves / migrate: promotions and demotions as one bulk move list (`Moves`)
   slots      slot-table helpers (first free slots, ranks)
   transfer   reads and writes across memory kinds, one bulk transfer per pool and direction
@@ -21,15 +21,8 @@ from jaxkv.cache.layout import (
     gpu_host_limit_bytes,
 )
 from jaxkv.cache.migration import Moves, migrate, plan_moves
-from jaxkv.cache.ops import (
-    advance,
-    check_invariants,
-    compact,
-    fragmentation,
-    prefill,
-    to_dense,
-    write_token,
-)
+from jaxkv.cache.ops import advance, compact, prefill, write_token
+from jaxkv.cache.views import check_invariants, fragmentation, to_dense
 
 __all__ = [
     "GPU_HOST_LIMIT_DEFAULT_GB",

@@ -45,6 +45,10 @@ class TieredKVCache:
     ring_v: jax.Array
     tier: jax.Array  # [layers, batch, max_blocks] int32: TIER_HBM / TIER_HOST / TIER_NONE
     slot: jax.Array  # [layers, batch, max_blocks] int32: slot in that tier's pool (0 if none)
+    # [batch, max_blocks] int32: the host page of each block's write-through copy, the same in
+    # every layer (their blocks seal together): b * max_blocks + j, or under `paged_host` the
+    # page the block took when it sealed (-1: none yet)
+    host_page: jax.Array
     hbm_free: jax.Array  # [layers, hbm_slots] bool
     host_free: jax.Array  # [layers, host_slots] bool
     lengths: jax.Array  # [batch] int32: tokens written per sequence
@@ -69,6 +73,8 @@ class TieredKVCache:
         tier = jnp.full((L, B, M), TIER_NONE, jnp.int32).at[:, :, 0].set(TIER_HBM)
         slot = jnp.zeros((L, B, M), jnp.int32).at[:, :, 0].set(jnp.arange(B, dtype=jnp.int32))
         hbm_free = jnp.ones((L, c.hbm_slots), bool).at[:, :B].set(False)
+        flat = jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
+        host_page = jnp.full((B, M), -1, jnp.int32) if c.paged_host else flat
         summary = jnp.zeros((L, B, M, c.kv_heads, c.head_dim), jnp.float32)
         return TieredKVCache(
             hbm_k=to_kind(hbm, HBM_KIND),
@@ -83,6 +89,7 @@ class TieredKVCache:
             ring_v=ring,
             tier=tier,
             slot=slot,
+            host_page=host_page,
             hbm_free=hbm_free,
             host_free=jnp.ones((L, c.host_slots), bool),
             lengths=jnp.zeros((B,), jnp.int32),

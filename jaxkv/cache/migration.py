@@ -177,7 +177,10 @@ def _migrate(cache: TieredKVCache, moves: Moves, after_reads, fetched, *, layers
     tier, slot, sealed = (a[ls].reshape(nl, N) for a in (cache.tier, cache.slot, cache.sealed))
     hbm_free, host_free = cache.hbm_free[ls], cache.host_free[ls]
     wt = cache.config.write_through
-    t = _plan_transfers(moves, ls, tier, slot, sealed, hbm_free, host_free, fetched is not None, wt)
+    pages = jnp.broadcast_to(cache.host_page.reshape(1, N), (nl, N)) if wt else None
+    t = _plan_transfers(
+        moves, ls, tier, slot, sealed, hbm_free, host_free, fetched is not None, pages
+    )
     pk, pv = _promoted_blocks(cache, moves, ls, t, fetched)
     pools = _write_pools(cache, ls, t, pk, pv, after_reads)
     return _with_tables(cache, ls, t, pools, (tier, slot, hbm_free, host_free))
@@ -214,11 +217,11 @@ def _victims(tier, sealed, d_blk, n_d, n_p, n_hbm_free, Kp: int):
     return v_blk, jnp.clip(n_p - n_hbm_free - n_d, 0, n_res)
 
 
-def _plan_transfers(
-    moves: Moves, ls, tier, slot, sealed, hbm_free, host_free, with_from: bool, write_through: bool
-):
-    """Which blocks move and between which slots ([nl, N] tables of the chosen layers). Under
-    `write_through` a block leaving HBM goes back to its host copy (slot = its flat index)."""
+def _plan_transfers(moves: Moves, ls, tier, slot, sealed, hbm_free, host_free, with_from, pages):
+    """Which blocks move and between which slots ([nl, N] tables of the chosen layers). Under a
+    write-through host tier (`pages` [nl, N]: each block's host page, `host_page`; None for
+    an exclusive one) a block leaving HBM goes back to its host copy."""
+    write_through = pages is not None
     d_blk, n_d, p_blk, n_p, p_from = _applying_entries(moves, ls, tier, sealed, with_from)
     Kd, Kp = d_blk.shape[1], p_blk.shape[1]
     hbm_list, n_hbm_free = first_free(hbm_free, Kp)
@@ -237,8 +240,8 @@ def _plan_transfers(
     out_src = jnp.concatenate([d_src, v_src], axis=1)
     j = jnp.arange(Kd + Kp)[None]
     out_ok = jnp.where(j < Kd, j < n_d[:, None], j - Kd < n_v[:, None])
-    if write_through:  # a block's host copy is at its flat index: nothing is written
-        out_dst = out_blk
+    if write_through:  # a block's host copy is at its page: nothing is written
+        out_dst = take(pages, out_blk)
     else:
         out_rank = jnp.where(j < Kd, j, n_d[:, None] + j - Kd)
         out_dst = nth(out_rank, host_list, n_host_free, p_src)
