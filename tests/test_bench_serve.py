@@ -19,6 +19,7 @@ TINY = ["--model", "default", "--n", "1", "--multiples", "2", "--policies", "lrf
         "--requests-per-slot", "2"]  # fmt: skip
 
 
+@pytest.mark.slow  # about 22 s; its bad options stay in the default suite
 def test_bench_serve_tiny_writes_its_report(capsys, tmp_path):
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
     assert cli.main(["bench-serve", *TINY, "--json", str(out), "--plot", str(png)]) == 0

@@ -76,7 +76,9 @@ WT, EX = "write-through", "exclusive"
         ("anneal", dict(hbm_fraction=0.25), 8, 4, WT),
         ("anneal", dict(hbm_fraction=0.25), 8, 4, EX),
         ("anneal+reuse+follow", dict(hbm_fraction=0.25), 8, 4, WT),
-        ("anneal+reuse+follow", dict(hbm_fraction=0.25), 8, 4, EX),
+        pytest.param(  # about 14 s; the write-through case stays in the default suite
+            "anneal+reuse+follow", dict(hbm_fraction=0.25), 8, 4, EX, marks=pytest.mark.slow
+        ),
         ("lrfu", dict(hbm_fraction=0.25), 8, 4, WT),
         ("lrfu", dict(hbm_fraction=0.25), 5, 4, EX),
     ],
@@ -126,6 +128,7 @@ def test_pallas_transfers_match_xla_and_all_hbm(tiny, policy, window):
     assert moved > 0 or policy != "lru-plan"  # LRU migrates here; the follow rule may not need to
 
 
+@pytest.mark.slow  # about 13 s
 def test_reuse_forecast_in_live_decode_is_lossless_and_learns(tiny, all_hbm_tokens):
     """anneal with the online re-read law (as `anneal+reuse` in the simulator): the decode loop
     feeds it the reuse counts, placement never changes the tokens."""
@@ -144,7 +147,10 @@ def test_reuse_forecast_in_live_decode_is_lossless_and_learns(tiny, all_hbm_toke
     assert float(state.stats.since_seen.sum()) > 0 and float(state.stats.since_read.sum()) > 0
 
 
-@pytest.mark.parametrize("policy,window,host_tier", [("lru-plan", 2, WT), ("anneal", 4, EX)])
+@pytest.mark.parametrize(
+    "policy,window,host_tier",
+    [("lru-plan", 2, WT), pytest.param("anneal", 4, EX, marks=pytest.mark.slow)],  # 12 s
+)
 def test_policy_migrates_under_sparse_attention(tiny, policy, window, host_tier):
     """Blocks are copied between the tiers (under write-through, anneal on this model's
     HBM-bound steps only demotes, which copies nothing: its exclusive run is the check)."""
@@ -175,6 +181,7 @@ def sparse_static(tiny):
     return _sparse_run(tiny, "static", 1)[1]
 
 
+@pytest.mark.slow  # about 20 s
 def test_follow_plans_between_steps_and_follows_in_them(tiny, sparse_static):
     """anneal+reuse+follow: the annealer plans a target every W steps, between steps and for
     all layers at once; each step's layers promote the host blocks they read that the target
@@ -198,8 +205,8 @@ def test_follow_plans_between_steps_and_follows_in_them(tiny, sparse_static):
 
 
 @pytest.mark.parametrize(
-    "admit", ["read", *(pytest.param(a, marks=pytest.mark.slow) for a in ("ranked", "target"))]
-)
+    "admit", [pytest.param(a, marks=pytest.mark.slow) for a in ("read", "ranked", "target")]
+)  # about 14 s each
 def test_follow_moves_only_blocks_the_step_read(tiny, admit):
     """Step by step: a follow step promotes only blocks it read from host (under
     admit="target" only those the target in force marks), at most max_moves per layer, and
@@ -641,6 +648,7 @@ def _pallas_run(impl, host_memory_kind):
     return np.asarray(state.tokens)
 
 
+@pytest.mark.slow  # about 21 s; tests/pallas_kernels keeps the kernels against their references
 def test_pallas_decode_matches_xla_in_interpreter():
     # The host tier is emulated in device memory here: in jax 0.12.0.1 a Pallas kernel in
     # interpret mode cannot be lowered inside a jit that also has pinned_host operands (the
@@ -718,6 +726,7 @@ def test_sliding_layers_decode_equals_transformers(policy):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow  # about 21 s; models/test_llama keeps the windows
 def test_sliding_window_reads_only_the_window():
     """With a window of 5 and blocks of 4, the sliding layer reads the 2 or 3 blocks holding
     the last 5 tokens, the full layer every written block. Blocks wholly before the window

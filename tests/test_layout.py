@@ -142,13 +142,14 @@ def test_every_package_states_its_room_in_one_line():
 
 def test_the_rooms_are_subpackages():
     """The folder list shows the architecture: jaxkv's top level keeps only the configs, the
-    cost model, the model protocol and the command; everything else lives in a room."""
+    cost model, the model protocol and the command; everything else lives in a room (`serve`:
+    the serving engine, above `decode`)."""
     top = sorted(
         p.stem for p in (ROOT / "jaxkv").glob("*.py") if p.stem not in ("__init__", "__main__")
     )
     assert top == ["_pytree", "cli", "config", "cost", "model_api"]
     rooms = sorted(p.parent.name for p in (ROOT / "jaxkv").glob("*/__init__.py"))
-    assert rooms == ["attention", "cache", "decode", "gpu", "placement", "sim"]
+    assert rooms == ["attention", "cache", "decode", "gpu", "placement", "serve", "sim"]
 
 
 def test_the_public_api_and_no_library_module_imports_it_from_the_top():

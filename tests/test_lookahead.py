@@ -48,6 +48,7 @@ def _capture_layer0(layer, q, k, v, carry):
     return q, jnp.where(layer == 0, q, carry)
 
 
+@pytest.mark.slow  # about 19 s
 def test_the_lookahead_knows_layer_0s_next_reads_and_replays_exactly(tiny):
     """Decoded with the lookahead: at every step but the last, the mask the statistics keep is
     exactly layer 0's reads of the next step; the simulator's replay of the decode

@@ -95,6 +95,7 @@ def test_lrfu_preset():
         presets.split_name("lrfu+follow")
 
 
+@pytest.mark.slow  # about 21 s; test_sim_loop and test_decode keep lrfu in the loop
 def test_lrfu_in_the_decode_loop(tiny):
     """lrfu decodes the tokens of any other placement (sparse: the selection depends on the
     logical blocks only), keeps the cache's invariants at every step, promotes only blocks the

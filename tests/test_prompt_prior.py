@@ -142,6 +142,7 @@ def test_prefill_by_priority_keeps_every_block_and_places_the_highest(host_tier,
     np.testing.assert_array_equal(np.asarray(plain.in_hbm)[0].T.reshape(-1), flat)
 
 
+@pytest.mark.slow  # about 25 s
 def test_lrfu_starts_from_the_prior_and_decodes_the_same_tokens(tiny):
     """lrfu's state after prefill: read frequency = the prior, HBM = its highest blocks; the
     tokens equal Static's (sparse: the selection reads logical blocks); prompt_prior=False,

@@ -156,7 +156,10 @@ def check_tokens(eng: Engine, plan: list[Planned], solo) -> None:
     assert (hbm_free.sum(axis=1) == eng.cache_config.hbm_slots - SLOTS).all()  # the tails
 
 
-@pytest.mark.parametrize("policy", ["static", "lrfu", "anneal"])
+@pytest.mark.parametrize(  # static and anneal (about 20 s each) run with the slow tests
+    "policy", [pytest.param("static", marks=pytest.mark.slow), "lrfu",
+               pytest.param("anneal", marks=pytest.mark.slow)]
+)
 def test_random_schedule_equals_solo_decoding(tiny, solo, policy):
     """One schedule of 8 requests (arrivals, cancels, sampled and greedy, stop tokens) with
     preemptions: tokens equal solo decoding, the accounts hold after every step, and the

@@ -64,6 +64,7 @@ def test_sharded_lrfu_with_its_lookahead_decodes_one_devices_tokens():
     assert r["summary"]["migrated_blocks"] > 0
 
 
+@pytest.mark.slow  # the sparse FP8 worker (about 20 s)
 def test_every_shard_keeps_its_pools_memory_kind(exact_lru, sparse_fp8, exact_age):
     for r in (exact_lru, sparse_fp8, exact_age):
         assert r["kinds_after_prefill"] == ["pinned_host"]
@@ -79,6 +80,7 @@ def test_every_shard_keeps_its_pools_memory_kind(exact_lru, sparse_fp8, exact_ag
     assert sparse_fp8["hbm_dtype"] == "float32" and exact_age["hbm_dtype"] == "float8_e4m3fn"
 
 
+@pytest.mark.slow  # the sparse FP8 worker (about 20 s)
 def test_migrations_happen_at_each_devices_phase(sparse_fp8):
     """stagger=1, W=4: device d plans (and migrates) only at steps s with
     s = W - 1 + phase_d (mod W), phase_d = d mod 4; every phase migrates at least once, so no

@@ -125,6 +125,7 @@ def test_no_policy_beats_unlimited(seed, sparsity, cap):
 ONE_CASE = ["static", "lru-plan", "paper-sa", "anneal", "anneal-oracle+dual", "anneal+reuse+follow"]
 
 
+@pytest.mark.slow  # about 23 s; the property over every policy is slow too
 def test_no_policy_beats_unlimited_on_one_case():
     check_no_policy_beats_unlimited(11, 0.5, 5, names=ONE_CASE)
 
@@ -472,7 +473,10 @@ def test_follow_policy_step_by_step():
     assert plans == math.ceil(steps / W)
 
 
-@pytest.mark.parametrize("W, chunk", [(4, 5), (3, 16), pytest.param(16, 6, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "W, chunk",
+    [pytest.param(4, 5, marks=pytest.mark.slow), (3, 16), pytest.param(16, 6, marks=pytest.mark.slow)],
+)
 def test_follow_plans_every_window(W, chunk):
     steps = 14
     res = sim.simulate(
