@@ -167,7 +167,8 @@ class CompiledModule:
     compile_seconds: float  # XLA GPU compile (ptxas included)
     target: str
     stablehlo_text: str = ""  # the lowered program, before XLA optimizes it
-    # XLA's HloCostAnalysis of the optimized module ("flops", "bytes accessed", ...)
+    # XLA's HloCostAnalysis of the optimized module ("flops", "bytes accessed", ...); {} where
+    # the CPU client cannot parse the module's text (a sharded program's collectives)
     cost: dict = dataclasses.field(default_factory=dict)
     # compiled memory statistics: argument, output, alias and temp bytes (device and host)
     memory: dict = dataclasses.field(default_factory=dict)
@@ -268,9 +269,21 @@ def compile_for_gpu(
         compile_seconds=t2 - t1,
         target=target,
         stablehlo_text=str(module),
-        cost=cost_analysis(text),
+        cost=_cost_where_parsed(text),
         memory=memory_stats(exe),
     )
+
+
+def _cost_where_parsed(hlo_text: str) -> dict:
+    """`cost_analysis(hlo_text)`, or {} where the CPU client cannot parse the GPU module: the
+    text of a sharded program's collectives carries GPU-only attributes (an all-reduce's
+    `output_to_operand_aliasing`) that the HLO text parser does not accept."""
+    try:
+        return cost_analysis(hlo_text)
+    except jax.errors.JaxRuntimeError as e:
+        if "Syntax error" not in str(e):
+            raise
+        return {}
 
 
 def _xla_cost(hlo_text: str) -> dict:
