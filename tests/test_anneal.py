@@ -121,6 +121,25 @@ def test_same_seed_same_answer():
     np.testing.assert_array_equal(r1.energy, r2.energy)
 
 
+@pytest.mark.parametrize("seed", [7, 2])
+def test_fixed_trip_loop_equals_the_converging_loop(seed):
+    """A GPU runs `max_iters` iterations that keep the state once every chain has stopped (no
+    host sync per iteration); a CPU exits the loop then. Same answer, metrics included: the
+    chains stop well before max_iters here, so the frozen iterations are exercised."""
+    pr = problem(seed, n=30, w=5, cap=8, layers=2)
+    cfg = AnnealConfig(max_iters=120)
+    a = anneal.run(pr, jax.random.key(3), cfg, loop="converge")
+    b = anneal.run(pr, jax.random.key(3), cfg, loop="fixed")
+    auto = anneal.run(pr, jax.random.key(3), cfg)  # this CPU: the converging loop
+    assert int(a.metrics.iterations) < cfg.max_iters, "no chain stopped early: nothing frozen"
+    for r in (b, auto):
+        np.testing.assert_array_equal(r.x, a.x)
+        for f in dataclasses.fields(a.metrics):
+            np.testing.assert_array_equal(getattr(r.metrics, f.name), getattr(a.metrics, f.name))
+    with pytest.raises(ValueError, match="loop='fast'"):
+        anneal.run(pr, jax.random.key(3), cfg, loop="fast")
+
+
 @pytest.mark.parametrize("seed", [10, *(pytest.param(s, marks=pytest.mark.slow) for s in (11, 12))])
 def test_delta_energy_equals_full_recompute(seed):
     pr = problem(seed, n=30, w=7, cap=9, layers=2)

@@ -1,6 +1,7 @@
 """The serving engine's compiled functions (`jaxkv.serve.core.EngineCore`) compiled for an H200
 without one: no host syncs and no loop of unknown trip count, whatever the context, in the
-decode step, the step that ends a window, the prefill chunk, the insert and the release.
+decode step, the step that ends a window (the annealer's plan included), the prefill chunk, the
+insert and the release.
 
 Marked `gpu_compile`: `make test-gpu-compile` runs it with JAX_PLATFORMS=cpu and the CUDA
 plugin (`pip install -e .[gpu-compile]`); without them it skips with the reason. The model and
@@ -86,6 +87,22 @@ def test_engine_steps_keep_no_host_sync_and_no_loop_that_grows(policy):
                 assert dict(a["loop_trips"]) == {LAYERS: 1}, f"{where}: {dict(a['loop_trips'])}"
         trips = [dict(rows[ctx][name]["loop_trips"]) for ctx in CONTEXTS]
         assert trips[0] == trips[1], f"{policy} {name}: loop trips {trips} grow with the context"
+
+
+@needs_plugin
+def test_engine_annealer_window_step_keeps_no_host_sync_and_no_loop_that_grows():
+    """anneal+reuse+follow's window step: the layer scan, the reuse forecast's scan over the
+    window and the annealer's loop of `max_iters` trips (compiled for a GPU it never exits
+    early: `jaxkv.placement.anneal.run`), none of them growing with the context."""
+    from jaxkv.config import AnnealConfig
+
+    rows = {ctx: compile_engine("anneal+reuse+follow", ctx, ("window_step",)) for ctx in CONTEXTS}
+    for ctx in CONTEXTS:
+        a = rows[ctx]["window_step"]
+        assert a["host_syncs"] == 0 and a["unknown_trip_loops"] == 0, (ctx, a["loop_trips"])
+        assert dict(a["loop_trips"]).get(AnnealConfig().max_iters) == 1, a["loop_trips"]
+    trips = [dict(rows[ctx]["window_step"]["loop_trips"]) for ctx in CONTEXTS]
+    assert trips[0] == trips[1], f"loop trips {trips} grow with the context"
 
 
 @needs_plugin

@@ -27,7 +27,9 @@ quantile of their energy rises, and the tolerance tol is `tolerance` x their med
 absolute energy). T cools geometrically to `t_final` x T0 at `max_iters`. A layer whose start is
 certified locally optimal (`certify`: no single promotion, demotion or swap gains more than tol)
 runs no chain. A (layer, chain) stops after `patience` consecutive iterations that improve its
-best energy by at most tol; the loop stops when all have stopped or after `max_iters`. One
+best energy by at most tol; the loop stops when all have stopped or after `max_iters` (on a
+CPU it exits then; compiled for a GPU it runs `max_iters` iterations that keep the state once
+all have stopped, so that no iteration waits on the host: `run`'s `loop`). One
 iteration = one move (or none) per chain per layer. The best chain per layer wins; the result
 never has a higher energy than the start.
 """
@@ -361,9 +363,15 @@ def _step(problem: AnnealProblem, deltas: BlockDeltas, state: AnnealState, confi
     )
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
+LOOPS = ("auto", "converge", "fixed")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "loop"))
 def run(
-    problem: AnnealProblem, key: jax.Array, config: AnnealConfig = AnnealConfig()
+    problem: AnnealProblem,
+    key: jax.Array,
+    config: AnnealConfig = AnnealConfig(),
+    loop: str = "auto",
 ) -> AnnealResult:
     """Anneals until every chain stops (certified start, or stalled) or `max_iters`; returns
     the best chain per layer, settled.
@@ -372,17 +380,44 @@ def run(
       problem: the window's problem.
       key: PRNG key (the same key gives the same answer).
       config: schedule.
+      loop: how the iterations run; every choice gives the same result, metrics included.
+        "converge": a while loop that exits when every chain has stopped. On a GPU its
+        condition is a device value the host reads after every iteration (XLA's WhileThunk
+        copies the predicate back: a host sync per iteration, and a loop of unknown trip
+        count). "fixed": `max_iters` iterations, those after the stop keeping the state as
+        it is: a loop of known trip count that never waits on the host. "auto" (the default):
+        "converge" where the program is lowered for a CPU (the host is the device; it stops
+        early), "fixed" elsewhere (`jax.lax.platform_dependent`, resolved at lowering, so a
+        program compiled for a GPU holds no branch either).
     Returns:
       AnnealResult: x [layers, N] bool, metrics (start and result energies, moves made,
       certified layers, iterations) and the final AnnealState.
     """
+    if loop not in LOOPS:
+        raise ValueError(f"anneal.run loop={loop!r}: expected one of {LOOPS}")
     deltas = block_deltas(problem)
     state = _init(problem, deltas, key, config)
 
     def cond(s):
         return (s.it < config.max_iters) & jnp.any(active(s, config))
 
-    state = jax.lax.while_loop(cond, lambda s: _step(problem, deltas, s, config), state)
+    def body(s):
+        return _step(problem, deltas, s, config)
+
+    def converge(s):
+        return jax.lax.while_loop(cond, body, s)
+
+    def fixed(s):
+        def kept(_, s):
+            go = cond(s)
+            return jax.tree.map(lambda new, old: jnp.where(go, new, old), body(s), s)
+
+        return jax.lax.fori_loop(0, config.max_iters, kept, s)
+
+    if loop == "auto":
+        state = jax.lax.platform_dependent(state, cpu=converge, default=fixed)
+    else:
+        state = (converge if loop == "converge" else fixed)(state)
     best = jnp.argmin(state.best_energy, axis=1)  # [layers]
     x = jnp.take_along_axis(state.best_x, best[:, None, None], axis=1)[:, 0]
     x = settle(problem, x)

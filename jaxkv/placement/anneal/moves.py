@@ -187,7 +187,9 @@ def _dominated(p, q, ins, outs, ca, cb, tol):
     qs = jax.lax.cummin(jnp.take_along_axis(jnp.where(ins, q, jnp.inf), order, -1), axis=1)
     # per leaving block i: the lowest q_j among the j with p_j < p_i - ca - tol
     bound = p - (ca + tol)[:, None]
-    n_below = jax.vmap(lambda s, v: jnp.searchsorted(s, v, side="left"))(ps, bound)
+    # method="sort": one sort, no loop (the default "scan" is a loop of log2(N) trips, which
+    # grows with the context in a step compiled for a GPU: `make test-gpu-compile`)
+    n_below = jax.vmap(lambda s, v: jnp.searchsorted(s, v, side="left", method="sort"))(ps, bound)
     best_q = jnp.take_along_axis(qs, jnp.maximum(n_below - 1, 0), -1)
     best_q = jnp.where(n_below > 0, best_q, jnp.inf)
     return jnp.any(outs & (best_q < q - (cb + tol)[:, None]), axis=-1)
