@@ -35,7 +35,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -43,12 +42,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from _progress import tqdm  # noqa: E402
 
-from jaxkv import (
-    Decoder,  # noqa: E402
-    summarize,  # noqa: E402
-)
+from jaxkv import summarize  # noqa: E402
 from jaxkv.cache.quant import parse_policy  # noqa: E402
 from jaxkv.config import CacheConfig, PlacementConfig, check_number  # noqa: E402
+from models import quality  # noqa: E402
 
 
 def heldout_windows(tokenizer, vocab: int, batch: int, length: int, seed: int = 0) -> np.ndarray:
@@ -114,10 +111,8 @@ def _run(
     batch = windows.shape[0]
     cfg = _config(mc, batch, prompt_len + steps + 1, bs, hbm, fp8)
     placement = PlacementConfig(policy=policy, window=8, attention=attention, topk=topk)
-    dec = Decoder(model, cfg, placement, max_new_tokens=steps + 1, profile=profile)
-    state = dec.prefill(params, jnp.asarray(windows[:, :prompt_len]))
-    state, logits = dec.score(
-        params, state, jnp.asarray(windows[:, prompt_len : prompt_len + steps])
+    state, logits = quality.score(
+        model, params, windows, prompt_len, steps, cfg, placement, profile
     )
     s = summarize(state)
     m = jax.device_get(state.metrics)
@@ -129,7 +124,7 @@ def _run(
     else:
         fp8_share = (total - hbm_reads) / total if cfg.fp8_in("host") else 0.0
     return dict(
-        logits=np.asarray(jax.device_get(logits), np.float32),  # [steps, batch, vocab]
+        logits=logits,  # [steps, batch, vocab]
         hbm_bytes=hbm_b,
         host_bytes=host_b,
         fp8_share=fp8_share,
@@ -144,26 +139,14 @@ def _run(
     )
 
 
-def _kl_top1(ref_logits, logits):
-    """Per-step KL(ref || q) [steps, batch] and top-1 agreement [steps, batch]."""
-    lr = jax.nn.log_softmax(ref_logits, -1)
-    lq = jax.nn.log_softmax(logits, -1)
-    kl = np.asarray(jnp.sum(jnp.exp(lr) * (lr - lq), -1))
-    return kl, np.asarray(jnp.argmax(lr, -1) == jnp.argmax(lq, -1))
-
-
-def _ppl(logits, truth) -> float:
-    lp = np.asarray(jax.nn.log_softmax(logits, -1))
-    return float(np.exp(-np.take_along_axis(lp, truth[..., None], -1)[..., 0].mean()))
-
-
 def compare(full: dict, ref: dict, q: dict, truth: np.ndarray) -> dict:
     """Accuracy of the FP8 run `q` against the all-HBM full-precision run `full`, next to the
     FP8-off run `ref` with q's placement (its KL is the floor: exact attention with another
     placement merges the tiers' partial sums in another order); truth [steps, batch]."""
-    kl, top1 = _kl_top1(full["logits"], q["logits"])
-    kl_floor, _ = _kl_top1(full["logits"], ref["logits"])
-    ppl_ref, ppl_q = _ppl(full["logits"], truth), _ppl(q["logits"], truth)
+    kl, top1 = quality.kl_top1(full["logits"], q["logits"])
+    kl_floor, _ = quality.kl_top1(full["logits"], ref["logits"])
+    ppl_ref = quality.perplexity(full["logits"], truth)
+    ppl_q = quality.perplexity(q["logits"], truth)
     kv_ref = ref["hbm_bytes"] + ref["host_bytes"]
     kv_q = q["hbm_bytes"] + q["host_bytes"]
     return dict(

@@ -32,9 +32,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from _progress import tqdm  # noqa: E402
-from fp8_quality import _kl_top1, _ppl, _run, add_text_args, check_text_args, load_windows  # noqa: E402
+from fp8_quality import _run, add_text_args, check_text_args, load_windows  # noqa: E402
 
 from jaxkv.config import check_number  # noqa: E402
+from models import quality  # noqa: E402
 
 
 def parse_topk(text: str) -> list[float]:
@@ -52,18 +53,10 @@ def parse_topk(text: str) -> list[float]:
 
 
 def compare(full: dict, sparse: dict, truth: np.ndarray) -> dict:
-    """Accuracy of one sparse run against the exact run; truth [steps, batch]."""
-    kl, top1 = _kl_top1(full["logits"], sparse["logits"])
-    ppl_ref, ppl_q = _ppl(full["logits"], truth), _ppl(sparse["logits"], truth)
+    """Accuracy of one sparse run against the exact run (`models.quality.compare`), its share of
+    the exact run's block reads and both modeled tokens/s; truth [steps, batch]."""
     return dict(
-        kl_mean=float(kl.mean()),
-        kl_median=float(np.median(kl)),
-        kl_p99=float(np.quantile(kl, 0.99)),
-        kl_max=float(kl.max()),
-        top1_agreement=float(top1.mean()),
-        ppl_exact=ppl_ref,
-        ppl_sparse=ppl_q,
-        ppl_delta_pct=100.0 * (ppl_q / ppl_ref - 1.0),
+        **quality.compare(full["logits"], sparse["logits"], truth),
         read_share=sparse["reads"] / full["reads"],
         tokens_per_s_exact=full["tokens_per_s"],
         tokens_per_s_sparse=sparse["tokens_per_s"],

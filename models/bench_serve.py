@@ -59,6 +59,7 @@ from jaxkv.cost import GEOMETRIES
 from jaxkv.placement.policies.lru_quota import LruQuota
 from jaxkv.placement.presets import split_policies
 from jaxkv.serve import Engine, SamplingParams, timing
+from models import quality
 from models.bench_serve_report import format_report, plot_report
 from models.generate import check_live_policy, check_model_spec, encode, load_model
 from models.record import check_writable
@@ -93,6 +94,7 @@ class Options:
     price_profiles: tuple[str, ...] = PRICE_PROFILES
     seed: int = 0
     quota: bool = False  # also run "lru-quota": a fixed hot buffer per request (HiSparse)
+    quality_batch: int = 8  # windows teacher-forced for the sparse quality (0: none)
 
     def check(self) -> None:
         """ValueError naming the option for any bad value, before anything loads."""
@@ -100,6 +102,9 @@ class Options:
             check_model_spec(self.model, "--model")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"--seed={self.seed!r}: expected an int >= 0")
+        q = self.quality_batch
+        if isinstance(q, bool) or not isinstance(q, int) or q < 0:
+            raise ValueError(f"--quality-batch={q!r}: expected an int >= 0 (0: no quality run)")
         for name in ("n", "chunk", "block_size", "window"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -300,6 +305,11 @@ def bench_serve(o: Options, *, progress: bool = True, log=print) -> dict:
                 kv_blocks_per_full_step=kv_blocks, read_fraction=read_fraction, priced=priced,
             ))  # fmt: skip
             eng.close()
+    quality_row = None
+    if o.attention == "sparse" and o.quality_batch:
+        if progress:
+            print("bench-serve: sparse quality against exact attention ...", file=sys.stderr)
+        quality_row = sparse_quality(model, params, ids, o)
     return dict(
         options=dataclasses.asdict(o),
         model=spec,
@@ -308,6 +318,24 @@ def bench_serve(o: Options, *, progress: bool = True, log=print) -> dict:
         big_sizes=big.name,
         runs=results,
         headline=headline(results, o, own, big, mc.num_layers),
+        quality=quality_row,
+    )
+
+
+def sparse_quality(model, params, ids: np.ndarray, o: Options) -> dict:
+    """The sparse attention's quality at the headline's read fraction: `o.quality_batch`
+    windows of the same corpus (seeded places), each the longest prompt (`o.prompt_len`'s HI)
+    then the longest output teacher-forced, sparse (top `o.topk`) against exact attention
+    (`models.quality.sparse_vs_exact`: KL, top-1 agreement, perplexities, read share). Every
+    tiered engine decodes the same tokens as the sparse all-HBM engine (placement never changes
+    them), so this one figure stands beside every ratio of the headline."""
+    p, s = o.prompt_len[1], o.output_len[1]
+    if len(ids) < p + s + 1:
+        raise ValueError(f"the corpus has {len(ids)} tokens, fewer than {p + s + 1} a window")
+    starts = np.random.default_rng(o.seed).integers(0, len(ids) - (p + s + 1) + 1, o.quality_batch)
+    windows = np.stack([ids[a : a + p + s + 1] for a in starts]).astype(np.int32)
+    return quality.sparse_vs_exact(
+        model, params, windows, p, s, o.topk, block_size=o.block_size, window=o.window
     )
 
 
@@ -361,7 +389,7 @@ def options_of(args) -> Options:
         requests_per_slot=args.requests_per_slot, rate=args.rate, chunk=args.chunk,
         block_size=args.block_size, window=args.window, profile=args.profile,
         price_profiles=tuple(split_policies(args.price_profiles, "--price-profiles")),
-        seed=args.seed, quota=args.quota,
+        seed=args.seed, quota=args.quota, quality_batch=args.quality_batch,
     )  # fmt: skip
 
 
@@ -482,6 +510,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also run lru-quota: HBM split evenly into a fixed LRU hot buffer per "
         "request (HiSparse's design), against the shared pool",
+    )
+    p.add_argument(
+        "--quality-batch",
+        type=int,
+        default=o.quality_batch,
+        help="sparse attention: windows of the corpus teacher-forced, sparse against exact, "
+        "for the quality printed beside the headline (0: skip; default: %(default)s)",
     )
     p.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
     p.add_argument(

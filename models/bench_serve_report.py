@@ -39,6 +39,17 @@ def format_headline(report: dict) -> str:
         "blocks written; the ceiling at that fraction with 80 GB of KV in HBM: "
         + ", ".join(f"{s} {r['deployed_ceiling']:.2f}x" for s, r in per.items())
     ]
+    q = report.get("quality")
+    if q is not None:
+        lines.append(
+            f"sparse quality at that fraction (top {100 * q['topk']:.0f}%, {q['read_share']:.1%} "
+            f"of exact's block reads; {q['batch']} windows of the corpus, {q['prompt_len']} "
+            f"tokens then {q['steps']} teacher-forced, {q['positions']:,} positions): top-1 "
+            f"agreement with exact {q['top1_agreement']:.1%}, KL(exact || sparse) mean "
+            f"{q['kl_mean']:.4f} / p99 {q['kl_p99']:.4f} nats, perplexity {q['ppl_exact']:.3f} "
+            f"exact, {q['ppl_sparse']:.3f} sparse ({q['ppl_delta_pct']:+.2f}%); every engine "
+            "decodes the sparse all-HBM engine's tokens"
+        )
     w = max(9, *(len(r["policy"]) for r in report["headline"]))
     head = (
         f"{'sizes':<34} {'profile':<10} {'engine':<{w}} {'conc':>5} {'tok/s':>11} {'ratio':>6} "

@@ -44,6 +44,10 @@ def test_bench_serve_tiny_writes_its_report(capsys, tmp_path):
     for row in report["headline"]:
         assert row["ceiling"] > 1 and (row["policy"] == "all-hbm") == (row["ratio"] == 1.0)
     assert png.stat().st_size > 0 or "no figure" in text
+    q = report["quality"]  # sparse against exact, teacher-forced, beside the headline
+    assert q["batch"] == 8 and q["positions"] == 8 * 12 and 0 < q["read_share"] < 1
+    assert 0 <= q["top1_agreement"] <= 1 and q["kl_mean"] >= 0 and q["ppl_exact"] > 1
+    assert "sparse quality at that fraction (top 25%" in text
 
 
 @pytest.mark.parametrize(
@@ -58,6 +62,7 @@ def test_bench_serve_tiny_writes_its_report(capsys, tmp_path):
         (["--rate", "0"], "--rate=0.0: expected requests per second > 0"),
         (["--profile", "tpu"], "profile 'tpu': expected one of"),
         (["--n", "0"], "--n=0: expected an int >= 1"),
+        (["--quality-batch", "-1"], "--quality-batch=-1: expected an int >= 0"),
         (["--prompt-len", "3000:3000"], "exceed the model's context of 2048 tokens"),
     ],
 )
@@ -86,7 +91,8 @@ sys.exit(cli.main(["bench-serve", *sys.argv[2:], "--json", sys.argv[1],
 def test_bench_serve_ctrl_c_exits_130_with_one_line_and_no_file(tmp_path):
     out = tmp_path / "serve.json"
     args = [a for a in TINY if a not in ("6:12", "40:80", "--output-len", "--prompt-len")]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # on CPU: a CUDA plugin installed beside jax (`make test-gpu-compile`) warns on stderr
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(out), *args], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)  # fmt: skip
