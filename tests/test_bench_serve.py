@@ -147,3 +147,20 @@ def test_poisson_arrivals_submit_each_request_once_its_time_comes(tiny):
     for rid, t in clocks.items():  # never early, at most one iteration late
         assert work.arrivals[rid] <= t <= work.arrivals[rid] + longest + 1e-12
     assert len({r.submitted for r in eng.requests.values()}) > 1  # spread over the run
+
+
+def test_default_model_is_smollm2_fetched_once_else_the_small_model_with_a_note(monkeypatch):
+    import models.bench_serve as bs
+    from models import named
+
+    notes = []
+    monkeypatch.setattr(named, "model_path", lambda name, **kw: Path("/cache") / name)
+    assert bs.default_model_spec(notes.append) == "smollm2" and notes == []
+
+    def offline(name, **kw):
+        raise named.ModelUnavailable(f"model {name!r}: it is not in the cache")
+
+    monkeypatch.setattr(named, "model_path", offline)
+    assert bs.default_model_spec(notes.append) == "default"
+    assert notes == ["note: benchmarking the small default model instead of SmolLM2-135M: "
+                     "model 'smollm2': it is not in the cache"]  # fmt: skip
