@@ -207,7 +207,7 @@ def test_anneal_quota_refuses_bad_values():
         anneal_quota(4, window=0)
 
 
-@pytest.mark.slow  # about 25 s: the engine's compilations, with plans and the rule
+@pytest.mark.slow  # 75 s on 2 shared cores: the engine compiles its step, window step and prefill
 def test_engine_tokens_equal_all_hbm_decoding(tiny, solo):
     """A random schedule of 8 requests (arrivals, cancels, sampled and greedy, preemptions)
     under anneal-quota, exact attention: every request's tokens equal its all-HBM solo
