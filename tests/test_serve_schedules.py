@@ -3,7 +3,8 @@ iterations with random lengths, budgets and sampling parameters, some are cancel
 host pool forces preemptions; every request's tokens equal decoding it alone over an all-HBM
 cache, and after every step the free pools and the allocated blocks account for every slot of
 both tiers. Exact attention; the policies static, lrfu (the live policy) and anneal (a
-planning policy that migrates at every window's end).
+planning policy that migrates at every window's end); the slow sweep adds the field's lru and
+the ways of sharing HBM among requests (lru-quota, anneal-quota).
 
 The reference is the engine itself with one slot, an all-HBM cache, the static policy and a
 host pool that holds anything (`solo`): tests/test_serve.py pins that engine's greedy tokens to
@@ -18,6 +19,7 @@ import pytest
 from jaxkv import CacheConfig, PlacementConfig
 from jaxkv import cache as kvc
 from jaxkv.config import TIER_HBM
+from jaxkv.placement.policies.anneal_quota import anneal_quota
 from jaxkv.placement.policies.lru_quota import LruQuota
 from jaxkv.serve import Engine, SamplingParams
 
@@ -62,6 +64,8 @@ def _engine(tiny, policy):
         if policy == "lru-quota":  # HiSparse's fixed hot buffer per request, the pool split
             quota = c.hbm_pool_slots // SLOTS
             policy = LruQuota(quota=quota, seq_blocks=c.max_blocks)
+        if policy == "anneal-quota":  # the split re-chosen by each window's plan
+            policy = anneal_quota(c.max_blocks, window=4, budget=8)
         place = PlacementConfig(policy=policy, window=4, max_moves=8)
         _engines[name] = Engine(model, params, c, place, chunk=16, hbm_quota=quota)
     return _engines[name]
@@ -157,8 +161,12 @@ def check_tokens(eng: Engine, plan: list[Planned], solo) -> None:
 
 
 @pytest.mark.parametrize(  # static and anneal (about 20 s each) run with the slow tests
-    "policy", [pytest.param("static", marks=pytest.mark.slow), "lrfu",
-               pytest.param("anneal", marks=pytest.mark.slow)]
+    "policy",
+    [
+        pytest.param("static", marks=pytest.mark.slow),
+        "lrfu",
+        pytest.param("anneal", marks=pytest.mark.slow),
+    ],
 )
 def test_random_schedule_equals_solo_decoding(tiny, solo, policy):
     """One schedule of 8 requests (arrivals, cancels, sampled and greedy, stop tokens) with
@@ -177,7 +185,8 @@ def test_random_schedule_equals_solo_decoding(tiny, solo, policy):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "policy", ["static", "lrfu", "anneal", "lru", "anneal+reuse+follow", "lru-quota"]
+    "policy",
+    ["static", "lrfu", "anneal", "lru", "anneal+reuse+follow", "lru-quota", "anneal-quota"],
 )
 def test_random_schedules_sweep(tiny, solo, policy):
     """Twelve schedules of 4 to 14 requests a policy, on one engine: every one equals solo

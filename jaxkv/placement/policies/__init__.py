@@ -14,6 +14,10 @@ executor, `jaxkv.placement.admission`):
 lru_plan   LruPlan ("lru-plan"): LRU planned every W steps, promotions read over the link again
 anneal     Anneal ("anneal" and its modifiers): simulated annealing, composed from parts
 anneal_knobs  its flat knobs (`anneal_policy`) and its name's registration
+sharing one HBM pool among requests (built as objects: they need the blocks per request):
+  lru_quota     LruQuota: a fixed LRU hot buffer per request (SGLang HiSparse)
+  anneal_quota  AnnealQuota: quotas per request and layer set by each window's anneal+reuse
+                plan, LRU inside each between plans
 The simulator's oracles (Belady, page, paper-sa, anneal-oracle, unlimited) are in
 `jaxkv.sim` and register from there.
 """

@@ -30,22 +30,33 @@ from jaxkv.placement.policies.lru import RES, LruRule
 
 @dataclasses.dataclass(frozen=True)
 class LruQuotaRule(LruRule):
-    """LRU with a per-sequence quota, one row (`SequentialRule`'s hooks)."""
+    """LRU with a per-sequence quota, one row (`SequentialRule`'s hooks). A miss of a sequence
+    at its quota evicts that sequence's least recent block (admitted only when the quota is
+    above 0); below it, the miss takes a free slot, or the row's least recent block. The quota
+    is `quota_for`'s: the fixed `quota` here, a subclass may derive it from the row
+    (`jaxkv.placement.policies.anneal_quota`)."""
 
     quota: int = 0
     seq_blocks: int = 1
+
+    def quota_for(self, held, full):
+        """[] int: the blocks the reading sequence may hold, given the blocks it holds (`held`,
+        [] int32) and whether the row's slots are all taken (`full`, [] bool)."""
+        return jnp.int32(self.quota)
 
     def miss(self, st, b, cap):
         n = st.where.shape[0]
         mine = jnp.arange(n) // self.seq_blocks == b // self.seq_blocks  # [N] b's sequence
         resident = st.where == RES
-        at_quota = jnp.sum(resident & mine) >= self.quota
+        held = jnp.sum(resident & mine).astype(jnp.int32)
         full = lists.size(st, RES) >= cap
+        quota = self.quota_for(held, full)
+        at_quota = held >= quota
         victim = jnp.where(
             at_quota, lists.oldest(st, RES, among=mine), jnp.where(full, lists.oldest(st, RES), n)
         )
         st = lists.drop(st, victim)
-        admit = (cap > 0) & (self.quota > 0)
+        admit = (cap > 0) & (quota > 0)
         return lists.push(st, jnp.where(admit, b, n), RES)
 
 
