@@ -230,3 +230,50 @@ def test_admission_waits_for_pages_and_the_newest_is_preempted(tiny, solo):
     assert sum(r.preemptions for r in small.requests.values()) == small.preemptions
     for p, o in zip(_prompts(3, seed=4, low=10, high=20), outs, strict=True):
         assert o == solo(p, 60)
+
+
+def test_blocks_past_every_sliding_window_are_freed_in_both_tiers(tiny):
+    """A model whose every layer slides (window 24 tokens, blocks of 8): once a block has
+    passed every layer's window its host page and HBM slots go back to the free pools while
+    its request decodes: 4 requests whose prompts and outputs would hold 10-12 pages each share
+    a pool of 12 through 3 slots without a preemption (admission still asks for a request's
+    whole length: the freed pages let the next one in sooner). The device's free pages equal
+    the engine's count after every step (`check`), and each request's tokens equal the
+    Decoder's alone over an all-HBM cache of the same model."""
+    from flax import nnx
+
+    from jaxkv.cache import rows
+    from models import tiny_model
+
+    model = tiny_model(0, sliding_window=24)
+    params = nnx.split(model)[1]
+    prompts = _prompts(4, seed=5, low=40, high=70)
+    budgets = [40, 30, 44, 25]
+    c = _cache(model, host_blocks=12, paged_host=True)
+    eng = Engine(model, params, c, PlacementConfig(policy="lrfu", window=8), chunk=32, check=True)
+    assert eng.core.windows == (24, 24)
+    ids = [
+        eng.submit(p, SamplingParams(max_new_tokens=n))
+        for p, n in zip(prompts, budgets, strict=True)
+    ]
+    freed = 0
+    while not eng.idle:
+        eng.step()
+        sealed = sum(int(n) // BS for b, n in enumerate(eng.lengths) if eng.slots[b] is not None)
+        freed = max(freed, sealed - (eng.pages - eng.free_pages))
+    assert freed > 0, "no block was freed while its request decoded"
+    assert eng.free_pages == eng.pages and eng.preemptions == 0
+    ref = CacheConfig.for_model(model.config, max_len=192, block_size=BS, hbm_fraction=1.0)
+    dec = Decoder(model, ref, PlacementConfig(policy="static"), max_new_tokens=64)
+    for rid, p, n in zip(ids, prompts, budgets, strict=True):
+        padded = np.zeros((1, 80), np.int32)
+        padded[0, : len(p)] = p
+        st = dec.generate(params, dec.prefill(params, padded, [len(p)]))
+        assert eng.requests[rid].tokens == [int(t) for t in np.asarray(st.tokens)[0][:n]]
+    # the cache function alone: no window on every layer, nothing to drop; an unpaged cache
+    cache = eng.state.decode.cache
+    assert rows.drop_passed(cache, (24, 0)) is cache and rows.drop_passed(cache, None) is cache
+    with pytest.raises(ValueError, match="expected a cache with paged_host=True"):
+        from jaxkv.cache import TieredKVCache
+
+        rows.drop_passed(TieredKVCache.create(_cache(model)), (24, 24))

@@ -9,7 +9,8 @@ functions of the cache with the row a traced int32, so one compiled program serv
 Every row always owns one HBM slot per layer, its tail's: a released row keeps it as the tail
 of its empty block 0, and `insert` moves it to the prompt's tail block. So the HBM slots a
 row's other blocks use, and (under `paged_host`) the host pages of its sealed blocks, are all
-that enters and leaves the free masks.
+that enters and leaves the free masks. When every layer of the model slides, the blocks that
+have passed every layer's window leave both tiers while their row decodes (`drop_passed`).
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def _release(cache: TieredKVCache, row) -> TieredKVCache:
     keep = jnp.where(has_tail, tail_slot, spare[:, 0])  # [L]
     hbm_free = hbm_free.at[jnp.arange(L), keep].set(False)
     sealed = j < n // c.block_size  # [M]
-    if c.write_through:  # the copies of the sealed blocks
-        pages = jnp.where(sealed, cache.host_page[row], S_x)
+    if c.write_through:  # the copies of the sealed blocks (-1: dropped, `drop_passed`)
+        page = cache.host_page[row]
+        pages = jnp.where(sealed & (page >= 0), page, S_x)
         host_free = cache.host_free.at[:, pages].set(True, mode="drop")
     else:  # the blocks living on host
         on_host = tier == TIER_HOST
@@ -180,6 +182,61 @@ def _insert(cache: TieredKVCache, row, k, v, length, priority, hbm_cap) -> Tiere
         lengths=cache.lengths.at[row].set(length),
         kmin=cache.kmin.at[:, row].set(kmin),
         kmax=cache.kmax.at[:, row].set(kmax),
+    )
+
+
+def passed_window(windows) -> int | None:
+    """The widest sliding window of a model whose every layer slides (`windows`: each layer's
+    window in tokens, 0 for full attention, or None), or None: then no block ever passes every
+    layer's window."""
+    if windows is None or not len(windows) or min(int(w) for w in windows) <= 0:
+        return None
+    return max(int(w) for w in windows)
+
+
+def passed_blocks(lengths, block_size: int, window: int):
+    """How many leading blocks of sequences `lengths` tokens long (int or array) no later step
+    reads: the next query, at position `lengths`, attends from lengths + 1 - window (HF's rule,
+    `jaxkv.attention.select.window_starts`), so block j has passed when (j + 1) x block_size <=
+    lengths + 1 - window. Always sealed blocks (the tail is inside every window)."""
+    return jnp.maximum(jnp.asarray(lengths) + 1 - window, 0) // block_size
+
+
+def drop_passed(cache: TieredKVCache, windows) -> TieredKVCache:
+    """The cache with the blocks no later step of any layer reads freed in both tiers at once:
+    when every layer slides (`windows`, a static tuple: each layer's window, 0 for full
+    attention; `passed_window`), each row's blocks wholly before the widest window at the next
+    step (`passed_blocks`) give their HBM slots and their host page back to the free masks,
+    their tier becomes TIER_NONE in every layer and their page -1. Without such windows the
+    cache is returned as it is. Blocks dropped earlier stay dropped (the window only moves
+    forward); the serving engine calls this after every step and insert."""
+    w = passed_window(windows)
+    if w is None:
+        return cache
+    if not cache.config.paged_host:
+        raise ValueError(
+            "drop_passed frees host pages: expected a cache with paged_host=True (the serving "
+            "engine's), got paged_host=False"
+        )
+    return run_in_kinds(_drop_passed, cache, window=w)
+
+
+def _drop_passed(cache: TieredKVCache, window: int) -> TieredKVCache:
+    c = cache.config
+    L, M, S_h, S_x = c.num_layers, c.max_blocks, c.hbm_slots, c.host_slots
+    n = passed_blocks(cache.lengths, c.block_size, window)  # [B]
+    dead = (jnp.arange(M)[None] < n[:, None]) & (cache.host_page >= 0)  # [B, M]: still held
+    in_hbm = (cache.tier == TIER_HBM) & dead[None]  # [L, B, M]
+    lay = jnp.arange(L)[:, None, None]
+    hbm_free = cache.hbm_free.at[lay, jnp.where(in_hbm, cache.slot, S_h)].set(True, mode="drop")
+    host_free = cache.host_free.at[:, jnp.where(dead, cache.host_page, S_x)].set(True, mode="drop")
+    return replace(
+        cache,
+        tier=jnp.where(dead[None], TIER_NONE, cache.tier).astype(jnp.int32),
+        slot=jnp.where(dead[None], 0, cache.slot).astype(jnp.int32),
+        host_page=jnp.where(dead, -1, cache.host_page).astype(jnp.int32),
+        hbm_free=hbm_free,
+        host_free=host_free,
     )
 
 

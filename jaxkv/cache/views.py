@@ -53,23 +53,33 @@ def to_dense(cache: TieredKVCache) -> tuple[jax.Array, jax.Array]:
     return jnp.where(mask, bk.reshape(shape), 0), jnp.where(mask, bv.reshape(shape), 0)
 
 
-def check_invariants(cache: TieredKVCache, *, contents: bool = False) -> None:
+def check_invariants(cache: TieredKVCache, *, contents: bool = False, windows=None) -> None:
     """Raises AssertionError if the table and free masks disagree (host-side, for tests).
 
     Under a write-through host tier: every sealed block has its host copy at its page
     (`host_page`: its flat index, or under `paged_host` a page of its own) and no other host
     slot is used; with `contents`, every sealed block in HBM is also checked to be
-    bit-identical to its host copy (values, and FP8 scales where both are FP8)."""
+    bit-identical to its host copy (values, and FP8 scales where both are FP8). `windows`: the
+    model's layer windows when the blocks that passed every one were dropped
+    (`jaxkv.cache.rows.drop_passed`): exactly those hold no slot in either tier."""
+    from jaxkv.cache.rows import passed_blocks, passed_window
+
     c = cache.config
     tier, slot = np.asarray(cache.tier), np.asarray(cache.slot)
     hbm_free, host_free = np.asarray(cache.hbm_free), np.asarray(cache.host_free)
     lengths = np.asarray(cache.lengths)
     B, M = c.batch, c.max_blocks
+    w = passed_window(windows)
+    gone = np.zeros((B, M), bool)
+    if w is not None:
+        gone = np.arange(M)[None] < np.asarray(passed_blocks(lengths, c.block_size, w))[:, None]
     sealed = np.arange(M)[None] < (lengths // c.block_size)[:, None]  # [B, M]
+    sealed = sealed & ~gone  # the sealed blocks still held
     flat = np.asarray(cache.host_page)
     if c.write_through and not c.paged_host:
         assert (flat == np.arange(B * M).reshape(B, M)).all(), "host pages are not flat indices"
     if c.paged_host:
+        assert (flat[gone] == -1).all(), "a block past every window keeps its host page"
         pages = flat[sealed]
         assert ((pages >= 0) & (pages < c.host_slots)).all(), "a sealed block has no host page"
         assert len(np.unique(pages)) == len(pages), "a host page is shared by two blocks"
@@ -101,7 +111,9 @@ def check_invariants(cache: TieredKVCache, *, contents: bool = False) -> None:
             tail = n if n < c.max_blocks else None
             for j in range(c.max_blocks):
                 t = tier[layer, b, j]
-                if j < written or j == tail:
+                if gone[b, j]:
+                    assert t == TIER_NONE, f"layer {layer} seq {b} block {j} past every window"
+                elif j < written or j == tail:
                     assert t != TIER_NONE, f"layer {layer} seq {b} block {j} lost"
                 else:
                     assert t == TIER_NONE, f"layer {layer} seq {b} block {j} unexpectedly placed"

@@ -111,6 +111,16 @@ class EngineCore:
     def cache_config(self) -> CacheConfig:
         return self.decoder.cache_config
 
+    @property
+    def windows(self) -> tuple[int, ...] | None:
+        """Each layer's sliding window (0: full attention), or None for a model without: when
+        every layer slides, the blocks that pass every window are freed in both tiers after
+        each step and insert (`jaxkv.cache.rows.drop_passed`)."""
+        mc = self.decoder.model_config
+        if getattr(mc, "sliding_window", None) is None:
+            return None
+        return tuple(int(w) for w in mc.layer_windows())
+
     def compilations(self) -> dict:
         """Executables compiled so far, per jitted function."""
         names = ("step", "window_step", "chunk_step", "insert", "release", "init")
@@ -174,6 +184,7 @@ class EngineCore:
         prior, steady = self._prompt_priors(params, buf, k, v, length)
         cap = None if self.hbm_quota is None else jnp.int32(self.hbm_quota)
         cache = rows.insert(ds.cache, row, k, v, length, prior, cap)
+        cache = rows.drop_passed(cache, self.windows)
 
         new = produced == 0
         tok = sample(
@@ -291,6 +302,7 @@ class EngineCore:
         if dec.follows:
             cache, promoted, demoted = fl.apply_follow_moves(cache, fol, logits)
         cache = kvc.advance(cache, active, after_reads=logits)
+        cache = rows.drop_passed(cache, self.windows)
         before = ds
         ds, hbm_b, host_b = record_step(c, ds, cache, sampled, reads, promoted, demoted)
         if ahead is not None:

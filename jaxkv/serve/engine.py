@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import cache as kvc
+from jaxkv.cache.rows import passed_window
 from jaxkv.config import CacheConfig, HardwareProfile, PlacementConfig
 from jaxkv.decode.sampling import eos_ids
 from jaxkv.model_api import check_model
@@ -184,7 +185,8 @@ class Engine:
     def free_pages(self) -> int:
         """Host pages no running request holds (the host's count)."""
         bs, slots = self.cache_config.block_size, self.slots
-        held = [pages_needed(n, bs) for b, n in enumerate(self.lengths) if slots[b] is not None]
+        w = passed_window(self.core.windows)
+        held = [pages_needed(n, bs, w) for b, n in enumerate(self.lengths) if slots[b] is not None]
         return self.pages - sum(held)
 
     def submit(self, prompt_ids, params: SamplingParams | None = None) -> int:
@@ -437,7 +439,7 @@ class Engine:
     def _check(self) -> None:
         """The cache's invariants, and the host's count of the pages against the cache's."""
         cache = self.state.decode.cache
-        kvc.check_invariants(cache)
+        kvc.check_invariants(cache, windows=self.core.windows)
         lengths = np.asarray(cache.lengths)
         assert (lengths == self.lengths).all(), (lengths, self.lengths)
         free = int(np.asarray(cache.host_free[0]).sum())

@@ -116,7 +116,12 @@ def check_request(prompt, params, *, vocab_size: int, max_len: int, context: int
     return ids.astype(np.int32)
 
 
-def pages_needed(tokens: int, block_size: int) -> int:
+def pages_needed(tokens: int, block_size: int, window: int | None = None) -> int:
     """Host pages a sequence of `tokens` cached tokens holds: its sealed blocks (the tail, the
-    block being filled, lives in the row's HBM tail slot)."""
-    return int(tokens) // int(block_size)
+    block being filled, lives in the row's HBM tail slot), less, when every layer of the model
+    slides (`window`: the widest, `jaxkv.cache.rows.passed_window`), the blocks that have passed
+    every layer's window and were freed (`jaxkv.cache.rows.passed_blocks`)."""
+    held = int(tokens) // int(block_size)
+    if window is not None:
+        held -= max(int(tokens) + 1 - int(window), 0) // int(block_size)
+    return held
