@@ -37,9 +37,9 @@ def _gpu_ops():
     return mod
 
 
-def compile_engine(policy: str, context: int, names) -> dict:
+def compile_engine(policy: str, context: int, names, **model_kw) -> dict:
     """{name: analysis} of the engine's functions `names` compiled for an H200, the cache's
-    slots `context` tokens long."""
+    slots `context` tokens long; `model_kw`: LlamaConfig fields over the small shape's."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -50,7 +50,7 @@ def compile_engine(policy: str, context: int, names) -> dict:
     from jaxkv.serve.sampling import Row
 
     g = _gpu_ops()
-    model = g.abstract_model(LAYERS, g.SMALL, context)
+    model = g.abstract_model(LAYERS, {**g.SMALL, **model_kw}, context)
     c = dataclasses.replace(g.cache_config(model.config, SLOTS, context), paged_host=True)
     place = PlacementConfig(policy=policy, attention="sparse", window=16)
     core = EngineCore(model, c, place, chunk=256, profile="h200-pcie")
@@ -103,6 +103,21 @@ def test_engine_annealer_window_step_keeps_no_host_sync_and_no_loop_that_grows()
         assert dict(a["loop_trips"]).get(AnnealConfig().max_iters) == 1, a["loop_trips"]
     trips = [dict(rows[ctx]["window_step"]["loop_trips"]) for ctx in CONTEXTS]
     assert trips[0] == trips[1], f"loop trips {trips} grow with the context"
+
+
+@needs_plugin
+def test_engine_freeing_blocks_past_every_sliding_window_adds_no_loop_and_no_sync():
+    """Every layer slides (128 tokens): the step and the insert also free the blocks past
+    every window (`jaxkv.cache.rows.drop_passed`), scatters into the free masks and tables."""
+    names = ("step", "insert")
+    rows = {ctx: compile_engine("lrfu", ctx, names, sliding_window=128) for ctx in CONTEXTS}
+    for name in names:
+        for ctx in CONTEXTS:
+            a = rows[ctx][name]
+            assert a["host_syncs"] == 0 and a["unknown_trip_loops"] == 0, (name, ctx)
+        trips = [dict(rows[ctx][name]["loop_trips"]) for ctx in CONTEXTS]
+        assert trips[0] == trips[1], f"{name}: loop trips {trips} grow with the context"
+    assert dict(rows[CONTEXTS[0]]["step"]["loop_trips"]) == {LAYERS: 1}
 
 
 @needs_plugin
