@@ -71,6 +71,17 @@ def compile_engine(policy: str, context: int, names, **model_kw) -> dict:
     }
 
 
+def _assert_no_sync_and_fixed_trips(rows: dict, names) -> None:
+    """rows {context: {name: analysis}}: 0 host syncs and 0 unknown-trip loops in each of
+    `names` at every context, its loops' trip counts the same at every context."""
+    for name in names:
+        for ctx in CONTEXTS:
+            a = rows[ctx][name]
+            assert a["host_syncs"] == 0 and a["unknown_trip_loops"] == 0, (name, ctx)
+        trips = [dict(rows[ctx][name]["loop_trips"]) for ctx in CONTEXTS]
+        assert trips[0] == trips[1], f"{name}: loop trips {trips} grow with the context"
+
+
 @needs_plugin
 @pytest.mark.parametrize("policy", ["lrfu", "lru"])
 def test_engine_steps_keep_no_host_sync_and_no_loop_that_grows(policy):
@@ -111,12 +122,7 @@ def test_engine_freeing_blocks_past_every_sliding_window_adds_no_loop_and_no_syn
     every window (`jaxkv.cache.rows.drop_passed`), scatters into the free masks and tables."""
     names = ("step", "insert")
     rows = {ctx: compile_engine("lrfu", ctx, names, sliding_window=128) for ctx in CONTEXTS}
-    for name in names:
-        for ctx in CONTEXTS:
-            a = rows[ctx][name]
-            assert a["host_syncs"] == 0 and a["unknown_trip_loops"] == 0, (name, ctx)
-        trips = [dict(rows[ctx][name]["loop_trips"]) for ctx in CONTEXTS]
-        assert trips[0] == trips[1], f"{name}: loop trips {trips} grow with the context"
+    _assert_no_sync_and_fixed_trips(rows, names)
     assert dict(rows[CONTEXTS[0]]["step"]["loop_trips"]) == {LAYERS: 1}
 
 
@@ -124,9 +130,4 @@ def test_engine_freeing_blocks_past_every_sliding_window_adds_no_loop_and_no_syn
 def test_engine_insert_prefill_and_release_keep_no_host_sync_at_any_context():
     names = ("insert", "chunk_step", "release")
     rows = {ctx: compile_engine("lrfu", ctx, names) for ctx in CONTEXTS}
-    for name in names:
-        for ctx in CONTEXTS:
-            a = rows[ctx][name]
-            assert a["host_syncs"] == 0 and a["unknown_trip_loops"] == 0, (name, ctx)
-        trips = [dict(rows[ctx][name]["loop_trips"]) for ctx in CONTEXTS]
-        assert trips[0] == trips[1], f"{name}: loop trips {trips} grow with the context"
+    _assert_no_sync_and_fixed_trips(rows, names)
