@@ -97,7 +97,11 @@ def traces(path: Path) -> list[str]:
         best = max((n for n in FIELD if n in P), key=lambda n: rows[n]["speed"])
         tr = c["trace"].split(" ")[0]
         _summarize(
-            f"{tr}, {c['label']} (ms)", rows, best, "belady", f"{c['bounds_ms']['best']:.2f}",
+            f"{tr}, {c['label']} (ms)",
+            rows,
+            best,
+            "belady",
+            f"{c['bounds_ms']['best']:.2f}",
             lambda r: r["shown"],
         )
         out += [
@@ -130,7 +134,11 @@ def demo(path: Path) -> list[str]:
     best = max((n for n in FIELD if n in P), key=lambda n: rows[n]["speed"])
     bound = d["bound_tokens_per_s"]["best"]
     _summarize(
-        f"the demo, HBM {d['hbm_fraction']:.0%} (tok/s)", rows, best, limit, f"{bound:,.0f}",
+        f"the demo, HBM {d['hbm_fraction']:.0%} (tok/s)",
+        rows,
+        best,
+        limit,
+        f"{bound:,.0f}",
         lambda r: f"{r['speed']:,.0f}",
     )
     return [
@@ -181,8 +189,12 @@ def decode(path: Path) -> list[str]:
         else "no Belady row in this JSON"
     )
     _summarize(
-        f"bench_decode {a['contexts']} (tok/s)", rows, best, limit,
-        f"{bounds['best']:,.0f}" if "best" in bounds else "-", lambda r: f"{r['speed']:,.0f}",
+        f"bench_decode {a['contexts']} (tok/s)",
+        rows,
+        best,
+        limit,
+        f"{bounds['best']:,.0f}" if "best" in bounds else "-",
+        lambda r: f"{r['speed']:,.0f}",
     )
     return [
         f"**bench_decode, random-init Llama (8 layers), {a['contexts']} tokens, sparse top "

@@ -121,7 +121,7 @@ def test_same_seed_same_answer():
     np.testing.assert_array_equal(r1.energy, r2.energy)
 
 
-@pytest.mark.parametrize("seed", [7, 2])
+@pytest.mark.parametrize("seed", [7, pytest.param(2, marks=pytest.mark.slow)])  # 25 s each
 def test_fixed_trip_loop_equals_the_converging_loop(seed):
     """A GPU runs `max_iters` iterations that keep the state once every chain has stopped (no
     host sync per iteration); a CPU exits the loop then. Same answer, metrics included: the
