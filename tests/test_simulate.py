@@ -475,7 +475,11 @@ def test_follow_policy_step_by_step():
 
 @pytest.mark.parametrize(
     "W, chunk",
-    [pytest.param(4, 5, marks=pytest.mark.slow), (3, 16), pytest.param(16, 6, marks=pytest.mark.slow)],
+    [
+        pytest.param(4, 5, marks=pytest.mark.slow),
+        (3, 16),
+        pytest.param(16, 6, marks=pytest.mark.slow),
+    ],
 )
 def test_follow_plans_every_window(W, chunk):
     steps = 14

@@ -9,6 +9,8 @@ import math
 
 import numpy as np
 
+from jaxkv.cache.rows import passed_blocks
+
 MAX_STOP_IDS = 8  # stop tokens a request may name (the slot's row of the stop table)
 
 
@@ -123,5 +125,5 @@ def pages_needed(tokens: int, block_size: int, window: int | None = None) -> int
     every layer's window and were freed (`jaxkv.cache.rows.passed_blocks`)."""
     held = int(tokens) // int(block_size)
     if window is not None:
-        held -= max(int(tokens) + 1 - int(window), 0) // int(block_size)
+        held -= int(passed_blocks(int(tokens), int(block_size), int(window)))
     return held
